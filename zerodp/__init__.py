@@ -1,0 +1,90 @@
+"""zerodp: ZeRO data parallelism for PyTorch, exact for every way of calling backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from zerodp import utils, zero
+from zerodp.config import ZeroDPConfig, load_config
+from zerodp.engine import GradientState, ZeroEngine
+from zerodp.errors import (
+    CheckpointError,
+    ConfigError,
+    LifecycleError,
+    ParamStateError,
+    ZeroDPError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "GradientState",
+    "LifecycleError",
+    "ParamStateError",
+    "ZeroDPConfig",
+    "ZeroDPError",
+    "ZeroEngine",
+    "initialize",
+    "utils",
+    "zero",
+]
+
+
+def initialize(
+    model: Any = None,
+    config: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    *,
+    args: Any = None,
+    config_params: Any = None,
+) -> tuple[ZeroEngine, Any, Any, Any]:
+    """Wrap `model` in a ZeRO engine; returns (engine, optimizer, dataloader, lr_scheduler).
+
+    `config` is a dict, a path to a JSON file, or a ZeroDPConfig (DeepSpeed's
+    `config_params` is accepted as an alias). The process group is set up from
+    torchrun's environment when it is not up yet; the config is validated
+    first, on every rank, so a bad config fails everywhere before any
+    collective.
+    """
+    if model is None:
+        raise ValueError("zerodp.initialize needs model=")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
+    if config is None:
+        raise ValueError("zerodp.initialize needs config= (a dict or a path to a JSON file)")
+    from zerodp.comm import ensure_process_group
+    from zerodp.comm.group import is_initialized
+
+    world_size = _world_size_hint() if not is_initialized() else None
+    if world_size is None:
+        ensure_process_group()
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size()
+    resolved = load_config(config, world_size=world_size)
+    engine = ZeroEngine(
+        module=model,
+        config=resolved,
+        model_parameters=model_parameters,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _world_size_hint() -> int:
+    """The world size torchrun announced, read before any process group exists."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,181 @@
+"""Typed collectives over one process group, counting bytes and calls per kind.
+
+Every collective zerodp issues goes through `Comm`, so the benchmarks and the
+tests that check ZeRO's communication volume read one set of counters.
+Bytes are those of the full (unsharded) tensor a collective operates on: an
+all-reduce of n elements, a reduce-scatter whose input has n elements and an
+all-gather whose output has n elements each count n * element size.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveKind(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+
+
+@dataclass
+class CommStats:
+    """Bytes and calls per collective kind since the last `reset()`."""
+
+    bytes: Counter[CollectiveKind] = field(default_factory=Counter)
+    calls: Counter[CollectiveKind] = field(default_factory=Counter)
+
+    def record(self, kind: CollectiveKind, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+        self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {
+            kind.value: {"bytes": self.bytes[kind], "calls": self.calls[kind]}
+            for kind in CollectiveKind
+        }
+
+
+class Handle:
+    """An in-flight collective; `wait()` blocks until its result may be read."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work: Any = None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+
+_DONE = Handle()
+
+
+class Comm:
+    """The collectives of one process group (the default group unless given)."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats()
+
+    # -- tensors -----------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
+        if self.world_size == 1:
+            return _DONE
+        self.stats.record(CollectiveKind.ALL_REDUCE, _nbytes(tensor))
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
+        return Handle(work) if async_op else _DONE
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle:
+        """Sum `input` over ranks; this rank receives chunk `rank` of the sum in `output`.
+
+        `output` may alias chunk `rank` of `input` (an in-place reduce-scatter).
+        """
+        if input.numel() != output.numel() * self.world_size:
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} elements, expected "
+                f"{output.numel()} x {self.world_size}"
+            )
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _DONE
+        self.stats.record(CollectiveKind.REDUCE_SCATTER, _nbytes(input))
+        work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
+        return Handle(work) if async_op else _DONE
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
+    ) -> Handle:
+        """Concatenate every rank's `input` into `output` (which may alias this rank's chunk)."""
+        if output.numel() != input.numel() * self.world_size:
+            raise ValueError(
+                f"all_gather: output has {output.numel()} elements, expected "
+                f"{input.numel()} x {self.world_size}"
+            )
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _DONE
+        self.stats.record(CollectiveKind.ALL_GATHER, _nbytes(output))
+        work = _all_gather_single(output, input, group=self.group, async_op=async_op)
+        return Handle(work) if async_op else _DONE
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
+        if self.world_size == 1:
+            return _DONE
+        self.stats.record(CollectiveKind.BROADCAST, _nbytes(tensor))
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
+        return Handle(work) if async_op else _DONE
+
+    # -- decisions ---------------------------------------------------------------
+
+    def any_true(self, flag: bool, device: torch.device) -> bool:
+        """One agreed answer: True on every rank if `flag` is True on any rank."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item() > 0)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        dist.broadcast_object_list(box, src=global_src, group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def broadcast_tensors(comm: Comm, tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Broadcast each tensor from `src`, all in flight at once."""
+    handles = [comm.broadcast(t, src=src, async_op=True) for t in tensors]
+    for handle in handles:
+        handle.wait()

@@ -1,0 +1,85 @@
+"""Process-group set-up from torchrun's environment.
+
+`zerodp.initialize` calls `ensure_process_group`, so a script launched by
+`torchrun` (or `zerodp run`) needs no set-up of its own, and a plain
+`python script.py` runs at world size 1 without any environment variables.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+class _GroupState:
+    """Whether zerodp created the default process group (and so may destroy it)."""
+
+    owned = False
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def default_device() -> torch.device:
+    """The device this rank trains on: its accelerator when there is one, else the CPU.
+
+    `ZERODP_DEVICE=cpu` forces the CPU (useful for gloo tests on a GPU machine).
+    """
+    forced = os.environ.get("ZERODP_DEVICE")
+    if forced:
+        return torch.device(forced)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        current = accelerator.current_accelerator()
+        if current is not None:
+            count = max(accelerator.device_count(), 1)
+            return torch.device(current.type, local_rank() % count)
+    return torch.device("cpu")
+
+
+def _backend_for(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "gloo"
+    # CPU tensors (objects, checkpoint metadata) still travel over gloo.
+    accelerator_backend = dist.Backend.default_device_backend_map.get(device.type, "gloo")
+    return f"cpu:gloo,{device.type}:{accelerator_backend}"
+
+
+def ensure_process_group(timeout_s: float = 1800.0) -> None:
+    """Initialise the default process group from torchrun's variables if it is not up yet."""
+    if is_initialized():
+        return
+    if not dist.is_available():
+        raise RuntimeError(
+            "torch.distributed is not available in this PyTorch build; "
+            "install a build with distributed support"
+        )
+    device = default_device()
+    if device.type != "cpu":
+        accelerator_module = getattr(torch, device.type)
+        accelerator_module.set_device(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = _backend_for(device)
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        # A plain `python script.py`: one process, no rendezvous needed.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        dist.init_process_group(backend, timeout=timeout)
+    _GroupState.owned = True
+
+
+def destroy_process_group_if_owned() -> None:
+    """Tear down the default group when zerodp created it (scripts call this at exit)."""
+    if _GroupState.owned and is_initialized():
+        dist.destroy_process_group()
+    _GroupState.owned = False

@@ -1,0 +1,137 @@
+"""Load and validate a zerodp config.
+
+`load_config` is the one entry point the engine uses: it accepts what a user
+hands to `initialize` (a dict, a JSON file path, or an already built
+`ZeroDPConfig`), validates it, resolves the batch sizes for the world size,
+and returns a frozen config. It is purely local and deterministic, so every
+rank can call it before the first collective and fail the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from zerodp.config.batch import BatchSizes, resolve_batch_sizes
+from zerodp.config.errors import show_value
+from zerodp.config.model import (
+    AdamParams,
+    BF16Config,
+    EigenvalueConfig,
+    FP16Config,
+    MonitorConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    SGDParams,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+    ZeroConfig,
+    ZeroDPConfig,
+)
+from zerodp.errors import ConfigError
+
+__all__ = [
+    "AdamParams",
+    "BF16Config",
+    "BatchSizes",
+    "ConfigError",
+    "ConfigSource",
+    "EigenvalueConfig",
+    "FP16Config",
+    "MonitorConfig",
+    "OptimizerConfig",
+    "SGDParams",
+    "SchedulerConfig",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRParams",
+    "WarmupLRParams",
+    "ZeroConfig",
+    "ZeroDPConfig",
+    "load_config",
+    "resolve_batch_sizes",
+]
+
+ConfigSource: TypeAlias = "Mapping[str, Any] | str | os.PathLike[str] | ZeroDPConfig"
+
+
+def load_config(config: ConfigSource, world_size: int) -> ZeroDPConfig:
+    """Validate `config` and return it frozen, with all three batch sizes resolved."""
+    parsed = config if isinstance(config, ZeroDPConfig) else ZeroDPConfig(**_as_dict(config))
+    sizes = resolve_batch_sizes(
+        parsed.train_batch_size,
+        parsed.train_micro_batch_size_per_gpu,
+        parsed.gradient_accumulation_steps,
+        world_size,
+    )
+    return parsed.model_copy(
+        update={
+            "train_batch_size": sizes.train_batch_size,
+            "train_micro_batch_size_per_gpu": sizes.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
+        }
+    )
+
+
+def _as_dict(config: object) -> dict[str, Any]:
+    if isinstance(config, str | os.PathLike):
+        return _read_json(Path(config))
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"config: got {show_value(config)} ({type(config).__name__}); allowed: a dict, "
+            "a path to a JSON file, or a ZeroDPConfig; pass one of those"
+        )
+    bad = [k for k in config if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"config keys must be strings: got {bad[0]!r}; use the JSON key name")
+    return dict(config)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            f"config file '{path}' does not exist; pass the path of an existing JSON file"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            f"cannot read config file '{path}': {exc}; pass a readable UTF-8 JSON file"
+        ) from None
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno}; fix the JSON syntax there"
+        ) from None
+    except _DuplicateKeyError as exc:
+        raise ConfigError(
+            f"config file '{path}' sets key '{exc.key}' twice in the same object; "
+            "keep only one of them"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file '{path}': got a JSON {type(data).__name__} at the top level; "
+            "allowed: a JSON object; wrap the settings in {...}"
+        )
+    return data
+
+
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Reject repeated keys: json.loads would silently keep the last one."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out

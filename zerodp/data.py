@@ -1,0 +1,71 @@
+"""The engine's data loader: each rank reads its own part of the data, resumably."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class ZeroDataLoader:
+    """Iterates one epoch per `iter()`; `state_dict()` says where it is, for exact resume.
+
+    Shuffling follows `DistributedSampler` with a fixed seed and the epoch
+    number, so the order depends only on (seed, epoch, world size), and a
+    resumed run skips the batches it had already consumed.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        drop_last: bool,
+        seed: int,
+        shuffle: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.loader = DataLoader(
+            dataset,
+            batch_size=micro_batch_size,
+            sampler=self.sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+        )
+        self.epoch = 0
+        self.batches_consumed = 0  # in the current epoch
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        skip = self.batches_consumed
+        for index, batch in enumerate(self.loader):
+            if index < skip:
+                continue
+            self.batches_consumed = index + 1
+            yield batch
+        self.epoch += 1
+        self.batches_consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.batches_consumed = int(state["batches_consumed"])

@@ -1,0 +1,88 @@
+"""Stage 3 hooks on every module: gather before use, release after, in forward and backward.
+
+- forward pre-hook: the module's groups are gathered and held; in a forward
+  re-run inside backward (activation checkpointing), the backward lifecycle is
+  told first. A multi-grad hook on the module's inputs marks its post-backward.
+- forward post-hook (also when forward raises): the holds are dropped; a
+  multi-grad hook on the outputs marks the module's pre-backward.
+- the root module also installs the saved-tensor hooks for the forward and
+  ends the forward pass (releasing prefetched groups nobody used).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zerodp._tree import grad_tensors_in
+from zerodp.backward import autograd_api
+from zerodp.backward.lifecycle import BackwardLifecycle
+from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.saved_tensors import SavedTensorGatherer
+
+
+class Stage3ModuleHooks:
+    def __init__(
+        self,
+        root: nn.Module,
+        coordinator: ParamCoordinator,
+        lifecycle: BackwardLifecycle,
+        saved_tensors: SavedTensorGatherer,
+    ) -> None:
+        self.root = root
+        self.coordinator = coordinator
+        self.lifecycle = lifecycle
+        self.saved_tensors = saved_tensors
+        self._root_pushed: list[bool] = []
+
+    def install(self) -> list[RemovableHandle]:
+        handles = []
+        for module in self.root.modules():
+            handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            handles.append(
+                module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+            )
+        return handles
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        in_backward = autograd_api.in_backward()
+        if in_backward:
+            self.lifecycle.observe()
+        elif module is self.root:
+            self._root_pushed.append(self.saved_tensors.push_if_possible())
+            self.coordinator.begin_forward()
+        self.coordinator.pre_forward(module)
+        if torch.is_grad_enabled() and self.coordinator.has_groups(module):
+            inputs = grad_tensors_in((args, kwargs))
+            if inputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda grads: self._post_backward(module), mode="all"
+                )
+
+    def _post_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        self.coordinator.post_forward(module)
+        if output is not None and torch.is_grad_enabled() and self.coordinator.has_groups(module):
+            outputs = grad_tensors_in(output)
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grad: self._pre_backward(module), mode="any"
+                )
+        if module is self.root and not autograd_api.in_backward():
+            self.coordinator.end_forward()
+            if self._root_pushed and self._root_pushed.pop():
+                self.saved_tensors.pop()
+
+    def _pre_backward(self, module: nn.Module) -> None:
+        self.lifecycle.observe()
+        self.coordinator.pre_backward(module)
+
+    def _post_backward(self, module: nn.Module) -> None:
+        self.lifecycle.observe()
+        self.coordinator.post_backward(module)

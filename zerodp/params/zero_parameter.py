@@ -1,0 +1,118 @@
+"""`ZeroParameter`: a stage 3 parameter that makes sure it is gathered before it is read.
+
+A released parameter's storage is empty (see [Note: stage 3 storage]), and
+PyTorch does not check every read against the storage size: reading it would
+read freed memory. So stage 3 changes the class of each sharded parameter
+(the same object: module attributes, optimizer references and user-held
+references stay valid) to this subclass, whose `__torch_function__` runs
+before every torch operation that takes the parameter:
+
+- inside a forward (or a backward's recomputation) it gathers the parameter
+  on use, so a parent module may use a child's weight, and tied weights work
+  wherever they are used;
+- outside, it raises an error that names the parameter and the fix
+  (`zerodp.zero.GatheredParameters`), instead of crashing the process.
+
+Metadata reads (shape, dtype, grad, hooks, ...) never gather. Operations run
+with the subclass disabled, so their results are plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class _Gatherer(Protocol):
+    def ensure_available_for_use(self, param: nn.Parameter) -> None: ...
+
+
+_OWNERS: dict[int, _Gatherer] = {}
+
+_METADATA_PROPERTIES = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn",
+        "ndim", "layout", "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta",
+        "names", "_version", "output_nr", "_base", "is_nested", "itemsize", "name",
+        "_backward_hooks", "_post_accumulate_grad_hooks", "_grad", "_grad_fn", "is_mps",
+        "is_xpu", "_cdata", "__dict__", "__class__",
+    }
+)  # fmt: skip
+
+_METADATA_METHODS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
+        torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous,
+        torch.Tensor.storage_offset, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+        torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+        torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__,
+        torch.Tensor.untyped_storage, torch.Tensor.get_device, torch.Tensor.__len__,
+        torch.Tensor._is_view, torch.Tensor.data_ptr,
+    }
+)  # fmt: skip
+
+
+def _is_metadata(func: Callable[..., Any]) -> bool:
+    if func in _METADATA_METHODS:
+        return True
+    if getattr(func, "__name__", "") in ("__get__", "__set__", "__delete__"):
+        descriptor = getattr(func, "__self__", None)
+        return getattr(descriptor, "__name__", None) in _METADATA_PROPERTIES
+    return False
+
+
+def _visit_params(obj: Any, found: list[nn.Parameter]) -> None:
+    if isinstance(obj, ZeroParameter):
+        found.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _visit_params(item, found)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _visit_params(item, found)
+
+
+class ZeroParameter(nn.Parameter):
+    """A sharded stage 3 parameter (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not _is_metadata(func):
+            found: list[nn.Parameter] = []
+            _visit_params(args, found)
+            if kwargs:
+                _visit_params(kwargs, found)
+            for param in found:
+                owner = _OWNERS.get(id(param))
+                if owner is not None:
+                    owner.ensure_available_for_use(param)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def adopt(param: nn.Parameter, owner: _Gatherer) -> None:
+    """Make `param` a ZeroParameter gathered through `owner`."""
+    if type(param) is not nn.Parameter and not isinstance(param, ZeroParameter):
+        raise TypeError(
+            f"ZeRO stage 3 cannot shard a parameter of class {type(param).__name__}; "
+            "only plain torch.nn.Parameter objects are supported"
+        )
+    param.__class__ = ZeroParameter
+    _OWNERS[id(param)] = owner
+
+
+def release(param: nn.Parameter) -> None:
+    """Give `param` its plain class back (the engine is being destroyed)."""
+    _OWNERS.pop(id(param), None)
+    if isinstance(param, ZeroParameter):
+        param.__class__ = nn.Parameter  # type: ignore[assignment]

@@ -1,0 +1,116 @@
+"""A flat group: parameters that live as views of one flat, sharded buffer.
+
+Every parameter zerodp manages belongs to exactly one `FlatGroup`. The group's
+`full` buffer holds all of its parameters end to end (padded to a multiple of
+the world size); each parameter's tensor is a view into it, so one collective
+moves the whole group and no copy is made to or from parameter tensors.
+
+This rank's `shard` is what its optimizer steps:
+- a view of `full` when the full buffer stays resident (stages 0-2, and the
+  persistent parameters of stage 3);
+- a separate tensor when the full buffer is freed between uses (stage 3). Then
+  `free_full()` resizes the full buffer's storage to zero in place and
+  `alloc_full()` gives it its size back, ready to be refilled; parameters keep
+  pointing at the same storage throughout. See [Note: stage 3 storage] in
+  `zerodp.params.sharded_group`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerodp.partition.layout import FlatLayout
+
+
+class FlatGroup:
+    def __init__(
+        self,
+        *,
+        index: int,
+        params: list[nn.Parameter],
+        names: list[str],
+        world_size: int,
+        rank: int,
+        device: torch.device,
+        param_group_index: int,
+        separate_shard: bool,
+    ) -> None:
+        if not params:
+            raise ValueError("a FlatGroup needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters of one FlatGroup must share a dtype, got {dtypes}")
+        self.index = index
+        self.params = params
+        self.names = names
+        self.param_group_index = param_group_index
+        self.trainable = all(p.requires_grad for p in params)
+        self.dtype = params[0].dtype
+        self.device = device
+        self.rank = rank
+        self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
+        self.separate_shard = separate_shard
+
+        self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=device)
+        with torch.no_grad():
+            for param, slot in zip(params, self.layout.slots, strict=True):
+                self.full[slot.offset : slot.end].copy_(param.detach().reshape(-1))
+        for param, slot in zip(params, self.layout.slots, strict=True):
+            # Once, at set-up: the parameter becomes a view of the flat buffer.
+            param.data = self.full[slot.offset : slot.end].view(slot.shape)
+        start, end = self.layout.shard_range(rank)
+        self.shard = self.full[start:end].clone() if separate_shard else self.full[start:end]
+
+    # -- sizes ---------------------------------------------------------------------
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    @property
+    def padded_numel(self) -> int:
+        return self.layout.padded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.layout.shard_range(self.rank)
+
+    def slot_of(self, position: int) -> tuple[int, int]:
+        slot = self.layout.slots[position]
+        return slot.offset, slot.end
+
+    def take_shard_from_full(self) -> None:
+        """Refresh a separate shard from the full buffer (after the full buffer was overwritten)."""
+        if self.separate_shard:
+            start, end = self.shard_range
+            self.shard.copy_(self.full[start:end])
+
+    # -- the full buffer's storage (stage 3) -----------------------------------------
+
+    @property
+    def full_is_allocated(self) -> bool:
+        return self.full.untyped_storage().nbytes() > 0
+
+    def free_full(self) -> None:
+        """Release the full buffer's memory; parameters keep their (now empty) storage."""
+        self.full.untyped_storage().resize_(0)
+
+    def alloc_full(self) -> None:
+        """Give the full buffer its size back (contents undefined until refilled)."""
+        nbytes = self.layout.padded_numel * self.full.element_size()
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def storage_key(self) -> int:
+        """Identifies the full buffer's storage across frees and refills."""
+        return self.full.untyped_storage()._cdata
+
+    def __repr__(self) -> str:
+        shown = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
+        return f"FlatGroup({self.index}: {shown}; {self.numel} elements)"
