@@ -75,3 +75,36 @@ def tiny_inputs(rank: int, step: int, batch: int = 4) -> torch.Tensor:
 def token_inputs(rank: int, step: int, vocab: int = 13, batch: int = 4) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randint(0, vocab, (batch, 5), generator=generator)
+
+
+class LifecycleNet(nn.Module):
+    """Modules for every backward pattern: a checkpointable middle, a frozen and an unused layer."""
+
+    def __init__(self, checkpoint: str | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.mid = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor, use_unused: bool = False) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if self.checkpoint is None:
+            h = self.mid(h)
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            reentrant = self.checkpoint == "reentrant"
+            h = checkpoint(self.mid, h, use_reentrant=reentrant)
+        h = self.frozen(h) + h
+        if use_unused:
+            h = self.unused(h)
+        return self.out(h)
+
+
+def lifecycle_inputs(rank: int, step: int, batch: int = 4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7000 + 1000 * rank + step)
+    return torch.randn(batch, 6, generator=generator)

@@ -100,6 +100,9 @@ class ParamCoordinator:
 
     def end_forward(self) -> None:
         self.forward_trace.end_pass()
+        # Until a backward has been recorded, expect it to run the forward in reverse, so
+        # that the first backward prefetches like every later one.
+        self.backward_trace.seed(self.forward_trace.recorded[::-1])
         self._release_unheld()
 
     def pre_forward(self, module: nn.Module) -> None:

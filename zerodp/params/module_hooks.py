@@ -60,8 +60,12 @@ class Stage3ModuleHooks:
         if torch.is_grad_enabled() and self.coordinator.has_groups(module):
             inputs = grad_tensors_in((args, kwargs))
             if inputs:
+                # "all" waits for every input's gradient; autograd.grad cannot track leaf
+                # tensors that way, so with a leaf input the first gradient marks the end
+                # (a parameter still needed after that is gathered again on unpack).
+                mode = "any" if any(t.grad_fn is None for t in inputs) else "all"
                 torch.autograd.graph.register_multi_grad_hook(
-                    inputs, lambda grads: self._post_backward(module), mode="all"
+                    inputs, lambda grads: self._post_backward(module), mode=mode
                 )
 
     def _post_forward(

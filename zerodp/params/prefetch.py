@@ -52,6 +52,16 @@ class ExecutionTrace(Generic[T]):
             self.phase = TracePhase.DIVERGED
             self.num_divergences += 1
 
+    @property
+    def recorded(self) -> list[T]:
+        return list(self._recorded)
+
+    def seed(self, items: list[T]) -> None:
+        """Start replaying a guess (e.g. the forward order reversed) before anything is recorded."""
+        if not self._recorded and self.phase is TracePhase.RECORDING and items:
+            self._recorded = list(items)
+            self.phase = TracePhase.REPLAYING
+
     def request(self, item: T) -> list[T]:
         """Note that `item` is requested now; return the items expected next, in order."""
         if self.phase is TracePhase.RECORDING:

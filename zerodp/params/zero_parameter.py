@@ -51,6 +51,8 @@ _METADATA_METHODS: frozenset[Callable[..., Any]] = frozenset(
         torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__,
         torch.Tensor.untyped_storage, torch.Tensor.get_device, torch.Tensor.__len__,
         torch.Tensor._is_view, torch.Tensor.data_ptr,
+        # Autograd entry points only route gradients; they never read parameter data.
+        torch.autograd.grad, torch.autograd.backward,
     }
 )  # fmt: skip
 

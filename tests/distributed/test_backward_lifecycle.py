@@ -1,0 +1,324 @@
+"""The backward-lifecycle conformance matrix: stage x call style x pattern, every gradient checked.
+
+Each cell runs one autograd pattern on zerodp and on the data-parallel reference in lockstep
+(a plain model copy per rank; each backward's gradients averaged with an explicit all_reduce)
+and compares every full gradient after every backward. DDP is not a reference here: it does
+not reduce a second backward on a retained graph (PyTorch issue 47260); `test_ddp_misses_*`
+shows it. Stage 3 runs with every parameter sharded (persistence threshold 0).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import zerodp
+from tests.models import LifecycleNet, TinyNet, lifecycle_inputs, tiny_inputs
+from zerodp.testing import ReferenceDP
+from zerodp.testing.parity import assert_grads_match, assert_params_match
+from zerodp.zero import ParamStatus, is_persistent, param_status
+
+STYLES = ["engine_backward", "loss_backward", "scale_backward"]
+
+
+class Lockstep:
+    """Drives zerodp and the reference through the same pattern, checking as it goes."""
+
+    def __init__(self, stage: int, style: str, gas: int = 1, checkpoint: str | None = None):
+        torch.manual_seed(0)
+        self.model = LifecycleNet(checkpoint)
+        self.ref_model = copy.deepcopy(self.model)
+        self.stage, self.style, self.gas = stage, style, gas
+        self.rank = dist.get_rank()
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        self.engine, _, _, _ = zerodp.initialize(model=self.model, config=config)
+        self.reference = ReferenceDP(
+            self.ref_model, lambda params: torch.optim.Adam(params, lr=1e-2)
+        )
+        self.prologues: list[int] = []
+        self.epilogues: list[int] = []
+        self.engine.register_backward_hooks(
+            prologue=lambda task: self.prologues.append(task.task_id),
+            epilogue=lambda task: self.epilogues.append(task.task_id),
+        )
+        self.graph_tasks = 0  # what the pattern started, counted by the test itself
+        self.checks = 0
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.style == "loss_backward" else 1.0 / self.gas
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.engine(x, **kwargs), self.ref_model(x.clone(), **kwargs)
+
+    def backward(self, losses: tuple[torch.Tensor, torch.Tensor], retain_graph: bool = False):
+        loss, ref_loss = losses
+        if self.style == "engine_backward":
+            self.engine.backward(loss, retain_graph=retain_graph)
+        elif self.style == "loss_backward":
+            loss.backward(retain_graph=retain_graph)
+        else:
+            self.engine.scale(loss).backward(retain_graph=retain_graph)
+        self.reference.run_backward(
+            lambda: (ref_loss * self.scale).backward(retain_graph=retain_graph)
+        )
+        self.graph_tasks += 1
+        self.check("after a backward")
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+        self.reference.zero_grad()
+
+    def step(self) -> None:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        self.engine.step()
+        if boundary:
+            self.reference.step()
+            self.reference.zero_grad()
+            assert_params_match(self.model, self.reference, self._where("after a step"))
+
+    def check(self, what: str) -> None:
+        self.checks += 1
+        assert_grads_match(self.model, self.reference, self._where(what))
+
+    def check_task_counts(self) -> None:
+        assert len(self.prologues) == self.graph_tasks, (self.prologues, self.graph_tasks)
+        assert len(self.epilogues) == self.graph_tasks, (self.epilogues, self.graph_tasks)
+        assert len(set(self.prologues)) == self.graph_tasks, "one prologue per graph task"
+
+    def check_all_released(self) -> None:
+        for name, param in self.model.named_parameters():
+            status = param_status(param)
+            assert status is not ParamStatus.INFLIGHT, name
+            if self.stage == 3 and not is_persistent(param):
+                assert status is ParamStatus.NOT_AVAILABLE, (name, status)
+
+    def _where(self, what: str) -> str:
+        return f"stage {self.stage}, {self.style}, gas {self.gas}, check {self.checks}: {what}"
+
+    def finish(self) -> None:
+        self.check_task_counts()
+        self.check_all_released()
+        self.engine.destroy()
+
+
+def _losses(outs: tuple[torch.Tensor, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]):
+    return fn(outs[0]), fn(outs[1])
+
+
+def mse(out: torch.Tensor) -> torch.Tensor:
+    return out.square().mean()
+
+
+def l1(out: torch.Tensor) -> torch.Tensor:
+    return out.abs().mean()
+
+
+def cubed(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(3).mean()
+
+
+# -- the patterns ------------------------------------------------------------------------------
+
+
+def case_retain_zero_grad(run: Lockstep) -> None:
+    """1 (and 4, 5): forward; zero_grad; backward(loss1, retain); zero_grad; backward(loss2)."""
+    outs = run.forward(lifecycle_inputs(run.rank, 0))
+    run.zero_grad()
+    coordinator = run.engine.stage3.coordinator if run.stage == 3 else None
+    if coordinator is not None:
+        coordinator.reset_peak()
+    run.backward(_losses(outs, mse), retain_graph=True)
+    if coordinator is not None:
+        first_peak = coordinator.peak_live_numel
+        run.check_all_released()  # nothing stays gathered across the retained window
+        coordinator.reset_peak()
+    run.zero_grad()
+    run.backward(_losses(outs, l1))
+    if coordinator is not None:
+        assert 0 < coordinator.peak_live_numel <= first_peak, (
+            coordinator.peak_live_numel,
+            first_peak,
+        )
+    assert run.graph_tasks == 2
+
+
+def case_retain_accumulate(run: Lockstep) -> None:
+    """2: the same without the second zero_grad: gradients add up."""
+    outs = run.forward(lifecycle_inputs(run.rank, 0))
+    run.zero_grad()
+    run.backward(_losses(outs, mse), retain_graph=True)
+    run.backward(_losses(outs, l1))
+
+
+def case_three_losses(run: Lockstep) -> None:
+    """3: three losses from one forward, three backward passes."""
+    outs = run.forward(lifecycle_inputs(run.rank, 0))
+    run.backward(_losses(outs, mse), retain_graph=True)
+    run.backward(_losses(outs, l1), retain_graph=True)
+    run.backward(_losses(outs, cubed))
+
+
+def case_gradient_penalty(run: Lockstep) -> None:
+    """6: autograd.grad(create_graph=True) for a gradient penalty, then backward through it."""
+    x = lifecycle_inputs(run.rank, 0).requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    losses = []
+    for model_call, inputs in ((run.engine, x), (run.ref_model, x_ref)):
+        loss = mse(model_call(inputs))
+        (grad_x,) = torch.autograd.grad(loss, inputs, create_graph=True)
+        losses.append(loss + grad_x.square().sum())
+    run.graph_tasks += 1  # the autograd.grad task (zerodp's; the reference's is not counted)
+    run.check("after autograd.grad (nothing reduced)")
+    run.backward((losses[0], losses[1]))
+
+
+def case_checkpoint(run: Lockstep) -> None:
+    """7: activation checkpointing around the middle block (reentrant or not), two steps."""
+    for step in range(2):
+        outs = run.forward(lifecycle_inputs(run.rank, step))
+        run.backward(_losses(outs, mse))
+        run.step()
+
+
+def case_two_forwards(run: Lockstep) -> None:
+    """8: two forwards, the sum of both losses, one backward."""
+    a = run.forward(lifecycle_inputs(run.rank, 0))
+    b = run.forward(lifecycle_inputs(run.rank, 1))
+    run.backward((mse(a[0]) + l1(b[0]), mse(a[1]) + l1(b[1])))
+
+
+def case_frozen_and_unused(run: Lockstep) -> None:
+    """9: a frozen parameter and one unused in this forward (then used in the next)."""
+    outs = run.forward(lifecycle_inputs(run.rank, 0))
+    run.backward(_losses(outs, mse))
+    run.step()
+    outs = run.forward(lifecycle_inputs(run.rank, 1), use_unused=True)
+    run.backward(_losses(outs, mse))
+    run.step()
+
+
+def case_accumulation_with_retain(run: Lockstep) -> None:
+    """10: accumulation over 4 micro-batches; one of them runs two backward passes."""
+    for micro in range(4):
+        outs = run.forward(lifecycle_inputs(run.rank, micro))
+        if micro == 1:
+            run.backward(_losses(outs, mse), retain_graph=True)
+            run.backward(_losses(outs, l1))
+        else:
+            run.backward(_losses(outs, mse))
+        run.step()
+
+
+def case_five_steps(run: Lockstep) -> None:
+    """11: five full steps of pattern 1 with Adam; weights compared after each step."""
+    for step in range(5):
+        outs = run.forward(lifecycle_inputs(run.rank, step))
+        run.zero_grad()
+        run.backward(_losses(outs, mse), retain_graph=True)
+        run.zero_grad()
+        run.backward(_losses(outs, l1))
+        run.step()
+
+
+def case_grad_of_parameters(run: Lockstep) -> None:
+    """12: autograd.grad(loss, params) returns this rank's local gradients, as with DDP."""
+    outs = run.forward(lifecycle_inputs(run.rank, 0))
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    ref_params = [p for p in run.ref_model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(mse(outs[0]), params, allow_unused=True)
+    ref_grads = torch.autograd.grad(mse(outs[1]), ref_params, allow_unused=True)
+    run.graph_tasks += 1
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        if ref_grad is None:
+            assert grad is None
+        else:
+            torch.testing.assert_close(grad, ref_grad)
+    run.check("kept gradients untouched by autograd.grad")
+
+
+CASES: dict[str, tuple[Callable[[Lockstep], None], dict[str, Any]]] = {
+    "01_retain_zero_grad": (case_retain_zero_grad, {}),
+    "02_retain_accumulate": (case_retain_accumulate, {}),
+    "03_three_losses": (case_three_losses, {}),
+    "06_gradient_penalty": (case_gradient_penalty, {}),
+    "07_checkpoint_nonreentrant": (case_checkpoint, {"checkpoint": "nonreentrant"}),
+    "07_checkpoint_reentrant": (case_checkpoint, {"checkpoint": "reentrant"}),
+    "08_two_forwards": (case_two_forwards, {}),
+    "09_frozen_and_unused": (case_frozen_and_unused, {}),
+    "10_accumulation_with_retain": (case_accumulation_with_retain, {"gas": 4}),
+    "11_five_steps": (case_five_steps, {}),
+    "12_grad_of_parameters": (case_grad_of_parameters, {}),
+}
+
+
+def run_case(stage: int, style: str, case: str, gas: int | None = None) -> int:
+    pattern, options = CASES[case]
+    options = dict(options)
+    if gas is not None:
+        options["gas"] = gas
+    run = Lockstep(stage, style, **options)
+    pattern(run)
+    run.finish()  # 4: one prologue and one epilogue per graph task; nothing left gathered
+    return run.checks
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_lifecycle_matrix(pools, stage: int, style: str, case: str) -> None:
+    checks = pools(2).run(run_case, stage, style, case)
+    assert checks[0] > 0
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("style", STYLES)
+def test_lifecycle_matrix_stage3_world_size_3(pools, style: str, case: str) -> None:
+    pools(3).run(run_case, 3, style, case)
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_seed_case_under_accumulation(pools, stage: int, gas: int) -> None:
+    pools(2).run(run_case, stage, "engine_backward", "01_retain_zero_grad", gas)
+
+
+# -- DDP, the second witness, is wrong on the seed case ---------------------------------------
+
+
+def ddp_second_backward_error() -> float:
+    torch.manual_seed(0)
+    model = TinyNet()
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    reference = ReferenceDP(model)
+    x = tiny_inputs(dist.get_rank(), 0)
+    out = ddp(x)
+    mse(out).backward(retain_graph=True)
+    ddp.zero_grad()
+    l1(out).backward()
+    ref_out = model(x)
+    reference.run_backward(lambda: mse(ref_out).backward(retain_graph=True))
+    reference.zero_grad()
+    reference.run_backward(lambda: l1(ref_out).backward())
+    return max(
+        (p.grad - reference.grad(r)).abs().max().item()
+        for p, r in zip(ddp.module.parameters(), model.parameters())
+        if r.requires_grad and p.grad is not None
+    )
+
+
+def test_ddp_misses_the_second_backward_on_a_retained_graph(pools) -> None:
+    """PyTorch issue 47260: DDP's second backward stays local; zerodp's matrix above does not."""
+    errors = pools(2).run(ddp_second_backward_error)
+    assert min(errors) > 1e-3, errors
