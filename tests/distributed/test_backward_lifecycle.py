@@ -147,10 +147,8 @@ def case_retain_zero_grad(run: Lockstep) -> None:
     run.zero_grad()
     run.backward(_losses(outs, l1))
     if coordinator is not None:
-        assert 0 < coordinator.peak_live_numel <= first_peak, (
-            coordinator.peak_live_numel,
-            first_peak,
-        )
+        second_peak = coordinator.peak_live_numel
+        assert 0 < second_peak <= first_peak, (second_peak, first_peak)
     assert run.graph_tasks == 2
 
 
@@ -313,7 +311,7 @@ def ddp_second_backward_error() -> float:
     reference.run_backward(lambda: l1(ref_out).backward())
     return max(
         (p.grad - reference.grad(r)).abs().max().item()
-        for p, r in zip(ddp.module.parameters(), model.parameters())
+        for p, r in zip(ddp.module.parameters(), model.parameters(), strict=True)
         if r.requires_grad and p.grad is not None
     )
 

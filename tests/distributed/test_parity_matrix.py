@@ -137,7 +137,9 @@ def run_scenario(stage: int, name: str, bucket: int) -> None:
             if stage == 0 and micro == scenario.gas - 1:
                 # Stage 0 shows the averaged gradient as .grad once the boundary reduced it
                 # (between boundaries .grad holds this rank's local sum, as under DDP's no_sync).
-                for param, ddp_param in zip(model.parameters(), ddp_model.parameters()):
+                for param, ddp_param in zip(
+                    model.parameters(), ddp_model.parameters(), strict=True
+                ):
                     torch.testing.assert_close(param.grad, ddp_param.grad, msg=f"{where}: DDP")
             engine.step()
         if scenario.clip:
@@ -148,7 +150,9 @@ def run_scenario(stage: int, name: str, bucket: int) -> None:
         ddp_optimizer.step()
         ddp_optimizer.zero_grad()
         assert_params_match(model, reference, f"stage {stage}, {name}, after step {step}")
-        for ref_param, ddp_param in zip(ref_model.parameters(), ddp_model.parameters()):
+        for ref_param, ddp_param in zip(
+            ref_model.parameters(), ddp_model.parameters(), strict=True
+        ):
             torch.testing.assert_close(ref_param, ddp_param, msg="the reference disagrees with DDP")
     engine.destroy()
 

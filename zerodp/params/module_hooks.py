@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -63,7 +63,9 @@ class Stage3ModuleHooks:
                 # "all" waits for every input's gradient; autograd.grad cannot track leaf
                 # tensors that way, so with a leaf input the first gradient marks the end
                 # (a parameter still needed after that is gathered again on unpack).
-                mode = "any" if any(t.grad_fn is None for t in inputs) else "all"
+                mode: Literal["any", "all"] = (
+                    "any" if any(t.grad_fn is None for t in inputs) else "all"
+                )
                 torch.autograd.graph.register_multi_grad_hook(
                     inputs, lambda grads: self._post_backward(module), mode=mode
                 )

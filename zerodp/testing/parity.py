@@ -11,6 +11,15 @@ from zerodp.testing.reference import ReferenceDP
 FP32_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: dict[str, float]) -> None:
+    def describe(message: str) -> str:
+        return f"{what}: {message}"
+
+    torch.testing.assert_close(
+        actual.cpu(), expected.cpu(), rtol=tol["rtol"], atol=tol["atol"], msg=describe
+    )
+
+
 def assert_grads_match(
     model: nn.Module, reference: ReferenceDP, where: str, **tolerance: float
 ) -> None:
@@ -25,9 +34,7 @@ def assert_grads_match(
         expected = reference.grad(ref_param)
         if full is None:
             full = torch.zeros_like(expected)
-        torch.testing.assert_close(
-            full.cpu(), expected.cpu(), msg=lambda m, n=name: f"{where}: grad of {n}: {m}", **tol
-        )
+        _close(full, expected, f"{where}: grad of {name}", tol)
 
 
 def assert_params_match(
@@ -39,9 +46,4 @@ def assert_params_match(
         model.named_parameters(), reference.model.parameters(), strict=True
     ):
         full = utils.safe_get_full_fp32_param(param)
-        torch.testing.assert_close(
-            full.cpu(),
-            ref_param.detach().float().cpu(),
-            msg=lambda m, n=name: f"{where}: value of {n}: {m}",
-            **tol,
-        )
+        _close(full, ref_param.detach().float(), f"{where}: value of {name}", tol)
