@@ -28,6 +28,7 @@ from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.errors import LifecycleError
+from zerodp.monitor.memory import ModelStateBytes, engine_model_state_bytes
 from zerodp.optim.factory import build_optimizer, shard_parameter
 from zerodp.optim.param_groups import resolve_param_groups
 from zerodp.optim.schedulers import build_scheduler
@@ -360,6 +361,14 @@ class ZeroEngine:
     def eval(self) -> ZeroEngine:
         self.module.eval()
         return self
+
+    def optimizer_extra_state(self) -> list[torch.Tensor]:
+        """Optimizer-side tensors outside the torch optimizer's state (fp32 master weights)."""
+        return []
+
+    def model_state_bytes(self) -> ModelStateBytes:
+        """Bytes this rank holds in parameters, gradients and optimizer state."""
+        return engine_model_state_bytes(self)
 
     def param_status(self, param: nn.Parameter) -> ParamStatus:
         self._abort_stale_backward()
