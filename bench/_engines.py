@@ -1,0 +1,289 @@
+"""The engines the benchmark compares, each behind the same small `Runner` surface.
+
+Every runner trains its own deep copy of one `LossModel` (a GPT whose forward
+returns the loss, so DDP's and DeepSpeed's wrappers see the whole step) with
+fp32 AdamW at the same learning rate, and knows how to measure its own
+model-state bytes and collective traffic for one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerodp
+from bench._measure import CollectiveCounter, counting_allreduce_hook, sharded_model_state_bytes
+from examples.gpt import GPT
+from zerodp.monitor import ModelStateBytes, plain_model_state_bytes
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class LossModel(nn.Module):
+    """A GPT whose forward returns the loss: the whole step runs inside each engine's wrapper."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.gpt.loss(tokens, targets)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    engine: str
+    stage: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine}-{self.stage}" if self.engine in ("zerodp", "deepspeed") else self.engine
+
+
+ALL_SPECS: tuple[EngineSpec, ...] = (
+    EngineSpec("ddp", 0),
+    *(EngineSpec("zerodp", s) for s in range(4)),
+    EngineSpec("fsdp2", 3),
+    EngineSpec("zero_redundancy", 1),
+    *(EngineSpec("deepspeed", s) for s in (1, 2, 3)),
+)
+ENGINE_CHOICES = "ddp, zerodp, zerodp0..zerodp3, fsdp2, zero_redundancy, deepspeed, deepspeed1..3"
+
+
+def parse_engines(text: str) -> list[EngineSpec]:
+    """`ddp,zerodp3,fsdp2` -> specs in the canonical order; a bare family name means every stage."""
+    wanted: set[EngineSpec] = set()
+    for raw in text.split(","):
+        name = raw.strip().lower().replace("-", "").replace(":", "")
+        if not name:
+            continue
+        matches = [s for s in ALL_SPECS if name in (s.engine, s.label.replace("-", ""))]
+        if name == "zro":
+            matches = [s for s in ALL_SPECS if s.engine == "zero_redundancy"]
+        if not matches:
+            raise ValueError(f"unknown engine {raw.strip()!r}; choose from {ENGINE_CHOICES}")
+        wanted.update(matches)
+    return [s for s in ALL_SPECS if s in wanted]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What every engine shares: batch size, optimizer, and the ZeRO knobs."""
+
+    micro_batch: int
+    lr: float
+    reduce_bucket_size: int
+    persistence_threshold: int
+    prefetch_bucket_size: int
+
+    def zero_section(self, stage: int) -> dict[str, Any]:
+        return {
+            "stage": stage,
+            "reduce_bucket_size": self.reduce_bucket_size,
+            "overlap_comm": True,
+            "stage3_param_persistence_threshold": self.persistence_threshold,
+            "stage3_prefetch_bucket_size": self.prefetch_bucket_size,
+        }
+
+    def zerodp_config(self, stage: int) -> dict[str, Any]:
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.0}},
+            "zero_optimization": self.zero_section(stage),
+        }
+
+    def deepspeed_config(self, stage: int, world_size: int) -> dict[str, Any]:
+        """The same batch sizes; the optimizer is passed in (a torch AdamW: no JIT build)."""
+        zero = self.zero_section(stage) | {"allgather_bucket_size": self.reduce_bucket_size}
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "train_batch_size": self.micro_batch * world_size,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+        }
+
+    def adamw(self, params: Any, **extra: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.0, **extra)
+
+
+class Runner:
+    """One engine training one model: a step in three parts, and its two measurements."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+
+    def forward_backward(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def train_step(self, batch: Batch) -> None:
+        self.forward_backward(batch)
+        self.optimizer_step()
+        self.zero_grad()
+
+    def model_state(self, batch: Batch) -> ModelStateBytes | None:
+        """Run one step and return this rank's model-state bytes at their fullest, or None."""
+        raise NotImplementedError
+
+    def comm(self, batch: Batch) -> tuple[int | None, dict[str, dict[str, int]]]:
+        """Run one step; return its collective bytes (None: not visible) and bytes per kind."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release hooks and buffers so the next model's engines start clean."""
+
+
+class ZeroDPRunner(Runner):
+    """zerodp at one stage; `engine.step()` zeroes the gradients itself, at the boundary."""
+
+    def __init__(self, spec: EngineSpec, model: nn.Module, settings: TrainSettings) -> None:
+        super().__init__(spec)
+        self.engine, _, _, _ = zerodp.initialize(
+            model=model, config=settings.zerodp_config(spec.stage)
+        )
+
+    def forward_backward(self, batch: Batch) -> None:
+        self.engine.backward(self.engine(*batch))
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        """Nothing to do: `step()` already zeroed (a second zeroing would be timed twice)."""
+
+    def model_state(self, batch: Batch) -> ModelStateBytes | None:
+        self.train_step(batch)
+        return self.engine.model_state_bytes()
+
+    def comm(self, batch: Batch) -> tuple[int | None, dict[str, dict[str, int]]]:
+        stats = self.engine.comm.stats
+        stats.reset()
+        self.train_step(batch)
+        return stats.total_bytes(), stats.snapshot()
+
+    def close(self) -> None:
+        self.engine.destroy()
+
+
+class TorchRunner(Runner):
+    """A model trained with torch's own tools (DDP, FSDP2, ZeroRedundancyOptimizer)."""
+
+    def __init__(
+        self,
+        spec: EngineSpec,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        counter: CollectiveCounter,
+        *,
+        state_module: nn.Module,
+        state_optimizer: torch.optim.Optimizer,
+        sharded_params: bool = False,
+    ) -> None:
+        super().__init__(spec)
+        self.model = model
+        self.optimizer = optimizer
+        self.counter = counter
+        self.state_module = state_module
+        self.state_optimizer = state_optimizer
+        self.sharded_params = sharded_params
+
+    def forward_backward(self, batch: Batch) -> None:
+        self.model(*batch).backward()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state(self, batch: Batch) -> ModelStateBytes | None:
+        """Measured after the step but before zero_grad, while `.grad` still exists."""
+        self.forward_backward(batch)
+        self.optimizer_step()
+        count = sharded_model_state_bytes if self.sharded_params else plain_model_state_bytes
+        state = count(self.state_module, self.state_optimizer)
+        self.zero_grad()
+        return state
+
+    def comm(self, batch: Batch) -> tuple[int | None, dict[str, dict[str, int]]]:
+        with self.counter.active():
+            self.train_step(batch)
+        return _visible(self.counter.total_bytes()), self.counter.snapshot()
+
+
+def _visible(nbytes: int) -> int | None:
+    """Zero bytes on more than one rank means the traffic went where the wrappers can't see."""
+    return None if nbytes == 0 and dist.get_world_size() > 1 else nbytes
+
+
+def _ddp(model: nn.Module, device: torch.device, counter: CollectiveCounter) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    return ddp
+
+
+def build_ddp(
+    spec: EngineSpec, model: nn.Module, settings: TrainSettings, device: torch.device
+) -> TorchRunner:
+    counter = CollectiveCounter()
+    ddp = _ddp(model, device, counter)
+    optimizer = settings.adamw(ddp.parameters())
+    return TorchRunner(
+        spec, ddp, optimizer, counter, state_module=model, state_optimizer=optimizer
+    )
+
+
+def build_zero_redundancy(
+    spec: EngineSpec, model: nn.Module, settings: TrainSettings, device: torch.device
+) -> TorchRunner:
+    """DDP for the gradients, ZeroRedundancyOptimizer for sharded AdamW state: torch's stage 1."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    counter = CollectiveCounter()
+    ddp = _ddp(model, device, counter)
+    optimizer = ZeroRedundancyOptimizer(
+        ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=settings.lr, weight_decay=0.0
+    )
+    return TorchRunner(
+        spec, ddp, optimizer, counter, state_module=model, state_optimizer=optimizer.optim
+    )
+
+
+def build_fsdp2(
+    spec: EngineSpec, model: nn.Module, settings: TrainSettings, device: torch.device
+) -> TorchRunner:
+    """`fully_shard` on each transformer block, then on the root (which holds the embeddings)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if not isinstance(model, LossModel):
+        raise TypeError("build_fsdp2 expects a LossModel")
+    for block in model.gpt.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = settings.adamw(model.parameters())
+    counter = CollectiveCounter()
+    return TorchRunner(
+        spec,
+        model,
+        optimizer,
+        counter,
+        state_module=model,
+        state_optimizer=optimizer,
+        sharded_params=True,
+    )
