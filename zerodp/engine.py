@@ -34,6 +34,7 @@ from zerodp.optim.param_groups import resolve_param_groups
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import strategy_for
+from zerodp.params.init import adopt_init_groups
 from zerodp.params.runtime import Stage3Runtime
 from zerodp.params.status import ParamStatus
 from zerodp.partition import FlatGroup
@@ -79,6 +80,12 @@ class ZeroEngine:
         specs = resolve_param_groups(module, model_parameters, optimizer)
         trainable_groups = {id(p): i for i, spec in enumerate(specs) for p in spec.params}
         zero = config.zero_optimization
+        presharded = adopt_init_groups(
+            module,
+            trainable_groups,
+            keep_sharded=self.strategy.shards_params,
+            persistence_threshold=zero.stage3_param_persistence_threshold,
+        )
         self.layout = build_layout(
             module,
             trainable_groups,
@@ -88,6 +95,7 @@ class ZeroEngine:
             device=self.device,
             bucket_numel=zero.reduce_bucket_size,
             persistence_threshold=zero.stage3_param_persistence_threshold,
+            presharded=presharded,
         )
         self._sync_from_rank0()
         self.stage3: Stage3Runtime | None = None
@@ -180,8 +188,10 @@ class ZeroEngine:
                     moved = buffer.to(self.device)
                     buffer_owner._buffers[name] = moved
                     loose.append(moved)
-        broadcast_tensors(self.comm, [g.full for g in self.layout.groups] + loose)
-        for group in self.layout.groups:
+        # Groups built sharded by zero.Init were taken from rank 0 already (and are empty now).
+        resident = [g for g in self.layout.groups if g.full_is_allocated]
+        broadcast_tensors(self.comm, [g.full for g in resident] + loose)
+        for group in resident:
             group.take_shard_from_full()
 
     def _make_scheduler(self, lr_scheduler: Any, inner: torch.optim.Optimizer) -> Any:

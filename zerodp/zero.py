@@ -8,11 +8,14 @@ import torch
 from torch import nn
 
 from zerodp import registry
+from zerodp.params import zero_parameter
 from zerodp.params.gathered import GatheredParameters
+from zerodp.params.init import Init
 from zerodp.params.status import ParamStatus
 
 __all__ = [
     "GatheredParameters",
+    "Init",
     "ParamStatus",
     "full_state_dict",
     "is_persistent",
@@ -23,15 +26,19 @@ __all__ = [
 def param_status(param: nn.Parameter) -> ParamStatus:
     """NOT_AVAILABLE, INFLIGHT or AVAILABLE; parameters zerodp does not shard are AVAILABLE."""
     engine = registry.engine_of(param)
-    if engine is None:
-        return ParamStatus.AVAILABLE
-    return engine.param_status(param)
+    if engine is not None:
+        return engine.param_status(param)
+    owner = zero_parameter.owner_of(param)  # built under zero.Init, no engine yet
+    group = owner.group_of(param) if owner is not None else None
+    return ParamStatus.AVAILABLE if group is None else group.status
 
 
 def is_persistent(param: nn.Parameter) -> bool:
     """Whether stage 3 keeps `param` gathered (it is below stage3_param_persistence_threshold)."""
     engine = registry.engine_of(param)
-    if engine is None or engine.stage3 is None:
+    if engine is None:
+        return zero_parameter.owner_of(param) is None
+    if engine.stage3 is None:
         return True
     group = engine.stage3.group_of(param)
     return group is None or group.persistent

@@ -21,12 +21,15 @@ elements, `peak_live_numel` its maximum since `reset_peak()`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
 from zerodp.backward import autograd_api
 from zerodp.errors import ParamStateError
+from zerodp.params import zero_parameter
 from zerodp.params.prefetch import ExecutionTrace
 from zerodp.params.sharded_group import ShardedGroup
 from zerodp.params.status import ParamStatus
@@ -66,6 +69,7 @@ class ParamCoordinator:
         self._scopes: list[_Scope] = []
         self.live_numel = 0
         self.peak_live_numel = 0
+        self.num_prefetched = 0  # groups gathered ahead of their use
         self.forward_trace: ExecutionTrace[ShardedGroup] = ExecutionTrace()
         self.backward_trace: ExecutionTrace[ShardedGroup] = ExecutionTrace()
 
@@ -157,10 +161,18 @@ class ParamCoordinator:
 
     # -- gathering on use ------------------------------------------------------------
 
-    def ensure_available_for_use(self, param: nn.Parameter) -> None:
+    def before_use(self, param: nn.Parameter, func: Callable[..., Any]) -> None:
         """A torch operation is about to read `param` (called by ZeroParameter)."""
         group = self._by_param.get(id(param))
-        if group is None or group.status is ParamStatus.AVAILABLE:
+        if group is None:
+            return
+        if zero_parameter.is_data_property(func) and getattr(func, "__name__", "") == "__set__":
+            raise ParamStateError(
+                "assigning `.data` of a ZeRO stage 3 parameter would detach it from its "
+                "shard; write into it instead (`param.copy_(value)` inside "
+                "zerodp.zero.GatheredParameters([param], modifier_rank=0))"
+            )
+        if group.status is ParamStatus.AVAILABLE:
             return
         if self._scopes:
             scope = self._scopes[-1]
@@ -221,6 +233,7 @@ class ParamCoordinator:
                 return
             self._count_in(group)
             group.to_inflight()
+            self.num_prefetched += 1
             budget -= group.numel
 
     def _release(self, group: ShardedGroup) -> None:

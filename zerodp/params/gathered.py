@@ -4,29 +4,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Any
 
+import torch
 from torch import nn
 
 from zerodp import registry
-from zerodp.comm import broadcast_tensors
-
-if TYPE_CHECKING:
-    from zerodp.comm import Comm
-    from zerodp.engine import ZeroEngine
-    from zerodp.params.sharded_group import ShardedGroup
-    from zerodp.partition import FlatGroup
+from zerodp.comm import Comm, broadcast_tensors
+from zerodp.params import zero_parameter
 
 
 class GatheredParameters:
-    """Gather `params` on entry; on exit, keep what `modifier_rank` wrote (if given) and re-shard.
+    """Gather `params` on entry; on exit keep what `modifier_rank` wrote (if given) and re-shard.
 
     Every rank must enter the block with the same parameters: gathering and
     the final broadcast are collectives. Inside, the parameters are whole and
-    may be read; with `modifier_rank=r`, rank r may also write them, and on exit
-    its values are broadcast and every rank keeps its shard of them. Without a
-    modifier rank, writes are discarded at stage 3. Parameters zerodp does not
-    manage pass through untouched (a broadcast still applies to them).
+    may be read; with `modifier_rank=r`, rank r may also write them in place
+    (`param.copy_(...)`, `nn.init.*`), and on exit its values are broadcast
+    and every rank keeps its shard of them. Without a modifier rank, writes to
+    stage 3 parameters are discarded on exit. Parameters that are not sharded
+    (stages 0-2, or not managed by zerodp) need no gathering; a modifier
+    rank's values are still broadcast to all ranks.
     """
 
     def __init__(
@@ -40,24 +38,14 @@ class GatheredParameters:
         )
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._held: list[tuple[ZeroEngine, list[ShardedGroup]]] = []
+        self._held: list[tuple[Any, Any]] = []  # (owner, group)
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        for engine, params in _by_engine(self.params):
-            if engine is None or engine.stage3 is None:
-                continue
-            engine._abort_stale_backward()
-            groups: list[ShardedGroup] = []
-            for param in params:
-                group = engine.stage3.group_of(param)
-                if group is not None and group not in groups:
-                    groups.append(group)
-            groups.sort(key=lambda g: g.flat.index)
-            for group in groups:
-                engine.stage3.coordinator.hold(group)
-            self._held.append((engine, groups))
+        for owner, group in self._sharded_groups():
+            owner.hold(group)
+            self._held.append((owner, group))
         return self
 
     def __exit__(
@@ -70,44 +58,55 @@ class GatheredParameters:
             return
         try:
             if self.modifier_rank is not None and exc_type is None:
-                self._broadcast_from_modifier()
+                self._broadcast_from_modifier(int(self.modifier_rank))
         finally:
-            for engine, groups in self._held:
-                if engine.stage3 is None:
-                    continue
-                for group in groups:
-                    engine.stage3.coordinator.unhold(group)
+            for owner, group in reversed(self._held):
+                owner.unhold(group)
             self._held = []
 
-    def _broadcast_from_modifier(self) -> None:
-        src = int(self.modifier_rank or 0)
-        for engine, params in _by_engine(self.params):
-            if engine is None:
-                broadcast_tensors(_default_comm(), [p.data for p in params], src=src)
+    def _sharded_groups(self) -> list[tuple[Any, Any]]:
+        """(owner, group) pairs in a fixed order, so that every rank gathers alike."""
+        found: list[tuple[Any, Any]] = []
+        for param in self.params:
+            owner = zero_parameter.owner_of(param)
+            if owner is None:
                 continue
-            flats: list[FlatGroup] = []
-            for param in params:
-                flat = engine.layout.group_of(param)
-                if flat is not None and all(f is not flat for f in flats):
-                    flats.append(flat)
-            flats.sort(key=lambda f: f.index)
-            loose = [p.data for p in params if engine.layout.group_of(p) is None]
-            broadcast_tensors(engine.comm, [f.full for f in flats] + loose, src=src)
-            for flat in flats:
-                flat.take_shard_from_full()
+            group = owner.group_of(param)
+            if group is not None and all(group is not g for _, g in found):
+                found.append((owner, group))
+        found.sort(key=lambda pair: pair[1].flat.index)
+        return found
+
+    def _broadcast_from_modifier(self, src: int) -> None:
+        flats: list[Any] = []
+        loose: list[torch.Tensor] = []
+        for param in self.params:
+            flat = self._flat_group_of(param)
+            if flat is None:
+                loose.append(param.data)
+            elif all(flat is not f for f in flats):
+                flats.append(flat)
+        flats.sort(key=lambda f: f.index)
+        broadcast_tensors(_comm_for(self.params), [f.full for f in flats] + loose, src=src)
+        for flat in flats:
+            flat.take_shard_from_full()
+
+    @staticmethod
+    def _flat_group_of(param: nn.Parameter) -> Any:
+        owner = zero_parameter.owner_of(param)
+        if owner is not None:
+            group = owner.group_of(param)
+            return None if group is None else group.flat
+        engine = registry.engine_of(param)
+        return None if engine is None else engine.layout.group_of(param)
 
 
-def _by_engine(params: list[nn.Parameter]) -> list[tuple[ZeroEngine | None, list[nn.Parameter]]]:
-    grouped: dict[int, tuple[ZeroEngine | None, list[nn.Parameter]]] = {}
+def _comm_for(params: list[nn.Parameter]) -> Comm:
     for param in params:
         engine = registry.engine_of(param)
-        key = id(engine)
-        grouped.setdefault(key, (engine, []))[1].append(param)
-    return list(grouped.values())
-
-
-def _default_comm() -> Comm:
-    from zerodp.comm import Comm, ensure_process_group
+        if engine is not None:
+            return engine.comm
+    from zerodp.comm import ensure_process_group
 
     ensure_process_group()
     return Comm()

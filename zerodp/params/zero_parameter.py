@@ -25,12 +25,24 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-
-class _Gatherer(Protocol):
-    def ensure_available_for_use(self, param: nn.Parameter) -> None: ...
+AfterUse = Callable[[], None]
 
 
-_OWNERS: dict[int, _Gatherer] = {}
+class ParamOwner(Protocol):
+    """What manages a sharded parameter: the engine's coordinator, or `zero.Init`."""
+
+    def before_use(self, param: nn.Parameter, func: Callable[..., Any]) -> AfterUse | None:
+        """Make `param` readable for `func`; may return what to do once `func` has run."""
+        ...
+
+    def group_of(self, param: nn.Parameter) -> Any: ...
+
+    def hold(self, group: Any) -> None: ...
+
+    def unhold(self, group: Any) -> None: ...
+
+
+_OWNERS: dict[int, ParamOwner] = {}
 
 _METADATA_PROPERTIES = frozenset(
     {
@@ -89,6 +101,7 @@ class ZeroParameter(nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        after: list[AfterUse] = []
         if not _is_metadata(func):
             found: list[nn.Parameter] = []
             _visit_params(args, found)
@@ -97,12 +110,35 @@ class ZeroParameter(nn.Parameter):
             for param in found:
                 owner = _OWNERS.get(id(param))
                 if owner is not None:
-                    owner.ensure_available_for_use(param)
+                    finish = owner.before_use(param, func)
+                    if finish is not None:
+                        after.append(finish)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        for finish in after:
+            finish()
+        return result
 
 
-def adopt(param: nn.Parameter, owner: _Gatherer) -> None:
+def owner_of(param: nn.Parameter) -> ParamOwner | None:
+    return _OWNERS.get(id(param))
+
+
+def is_data_property(func: Callable[..., Any]) -> bool:
+    """`param.data` (get or set): an alias that escapes the gather-on-use check."""
+    descriptor = getattr(func, "__self__", None)
+    return getattr(descriptor, "__name__", None) == "data"
+
+
+def is_in_place(func: Callable[..., Any], kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether `func` writes into its first argument (by PyTorch's naming conventions)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__setitem__", "__set__", "copy_", "set_") or (kwargs and "out" in kwargs):
+        return True
+    return name.endswith("_") and not name.endswith("__")
+
+
+def adopt(param: nn.Parameter, owner: ParamOwner) -> None:
     """Make `param` a ZeroParameter gathered through `owner`."""
     if type(param) is not nn.Parameter and not isinstance(param, ZeroParameter):
         raise TypeError(

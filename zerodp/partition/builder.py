@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zerodp.partition.flat_group import FlatGroup
-from zerodp.partition.planner import ParamInfo, plan_buckets, plan_stage3
+from zerodp.partition.planner import GroupPlan, ParamInfo, plan_buckets, plan_stage3
 
 
 @dataclass
@@ -62,6 +62,7 @@ def build_layout(
     device: torch.device,
     bucket_numel: int,
     persistence_threshold: int,
+    presharded: list[FlatGroup] | None = None,
 ) -> ModelLayout:
     """Flat groups for `module`; `trainable_groups` maps id(param) to its optimizer group.
 
@@ -69,25 +70,42 @@ def build_layout(
     are); stage 3 shards frozen parameters too, since they take memory alike.
     """
     params, infos, module_params = describe_params(module, trainable_groups)
+    position = {id(p): i for i, p in enumerate(params)}
+    existing: list[tuple[GroupPlan, FlatGroup | None]] = []
+    for flat in presharded or []:
+        members = tuple(position[id(p)] for p in flat.params)
+        existing.append((GroupPlan(members, persistent=False), flat))
+    taken = {i for plan, _ in existing for i in plan.members}
+    remaining = [i for i in infos if i.index not in taken]
     if shard_params:
-        plans = plan_stage3(infos, persistence_threshold, bucket_numel)
+        plans = plan_stage3(remaining, persistence_threshold, bucket_numel)
     else:
-        plans = plan_buckets([i for i in infos if i.trainable], bucket_numel, persistent=True)
+        plans = plan_buckets([i for i in remaining if i.trainable], bucket_numel, persistent=True)
+    ordered = sorted(
+        [(plan, None) for plan in plans] + existing,
+        key=lambda pair: pair[0].last_index,
+        reverse=True,
+    )
     groups = []
-    for index, plan in enumerate(plans):
-        members = [params[i] for i in plan.members]
-        groups.append(
-            FlatGroup(
+    for index, (plan, adopted) in enumerate(ordered):
+        names = [infos[i].name for i in plan.members]
+        param_group = infos[plan.members[0]].param_group
+        if adopted is None:
+            flat = FlatGroup(
                 index=index,
-                params=members,
-                names=[infos[i].name for i in plan.members],
+                params=[params[i] for i in plan.members],
+                names=names,
                 world_size=world_size,
                 rank=rank,
                 device=device,
-                param_group_index=infos[plan.members[0]].param_group,
+                param_group_index=param_group,
                 separate_shard=shard_params and not plan.persistent,
             )
-        )
+        else:  # built already sharded (zero.Init): adopt it as it is
+            flat = adopted
+            flat.index, flat.names, flat.param_group_index = index, names, param_group
+        groups.append(flat)
+    plans = [plan for plan, _ in ordered]
     return ModelLayout(
         groups=groups,
         persistent=[plan.persistent for plan in plans],

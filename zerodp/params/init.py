@@ -1,0 +1,245 @@
+"""`zerodp.zero.Init`: build a model already sharded, one module at a time.
+
+Under `with zerodp.zero.Init(config=...):` every module is sharded as soon as
+it is complete: when it is registered into its parent (PyTorch's global
+module-registration hook), or, for the outermost modules, when the block
+ends. Each rank builds a module whole, then keeps only its shard (of rank 0's
+values, broadcast, so that ranks seeded differently still agree), so the peak
+is one module, not the model.
+
+A parent's constructor often initialises its children's weights after they
+were registered (`self.apply(init_weights)`, tying weights). Those writes go
+through `ZeroParameter`: the parameter is gathered, the operation runs on the
+whole tensor (consuming the random generator exactly as an unsharded build
+would, so the result is identical to building the model normally with the
+same seed), rank 0's result is broadcast and each rank keeps its shard. An
+access through `.data` hands out an alias the hooks cannot follow, so such a
+parameter stays gathered until the block ends (use `nn.init` functions or
+in-place operations on the parameter to keep the peak at one module).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zerodp.comm import Comm, default_device, ensure_process_group
+from zerodp.config import load_config
+from zerodp.params import zero_parameter
+from zerodp.params.sharded_group import ShardedGroup
+from zerodp.params.status import ParamStatus
+from zerodp.partition import FlatGroup
+
+_NEXT_GROUP_INDEX = [10_000_000]  # Init groups sort after nothing in particular; unique ids
+
+
+class Init:
+    """Shard parameters as modules are built; see the module docstring."""
+
+    def __init__(
+        self,
+        config: Any = None,
+        enabled: bool = True,
+        persistence_threshold: int | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.config = config
+        self.persistence_threshold = persistence_threshold
+        self._handles: list[RemovableHandle] = []
+        self._owner: InitOwner | None = None
+        self._registered: dict[int, nn.Module] = {}  # modules that registered a parameter
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        ensure_process_group()
+        comm = Comm()
+        if self.persistence_threshold is None:
+            self.persistence_threshold = 0
+            if self.config is not None:
+                resolved = load_config(self.config, world_size=comm.world_size)
+                zero = resolved.zero_optimization
+                self.persistence_threshold = zero.stage3_param_persistence_threshold
+        self._owner = InitOwner(comm, default_device())
+        registration = torch.nn.modules.module
+        self._handles = [
+            registration.register_module_parameter_registration_hook(self._on_parameter),
+            registration.register_module_module_registration_hook(self._on_submodule),
+        ]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if not self.enabled:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if exc_type is None and self._owner is not None:
+            for module in list(self._registered.values()):
+                self._shard_module(module)
+            self._owner.flush_dirty()
+        self._registered.clear()
+
+    # -- registration hooks --------------------------------------------------------------
+
+    def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
+        if param is not None:
+            self._registered[id(module)] = module
+
+    def _on_submodule(self, parent: nn.Module, name: str, child: Any) -> None:
+        if isinstance(child, nn.Module):
+            for module in child.modules():
+                if id(module) in self._registered:
+                    self._shard_module(module)
+
+    def _shard_module(self, module: nn.Module) -> None:
+        owner = self._owner
+        if owner is None:
+            return
+        large: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, param in module._parameters.items():
+            if param is None or zero_parameter.owner_of(param) is not None:
+                continue
+            if param.numel() < max(1, self.persistence_threshold or 0):
+                continue
+            large.setdefault((param.dtype, param.requires_grad), []).append((name, param))
+        for members in large.values():
+            owner.shard([p for _, p in members], [n for n, _ in members])
+        self._registered.pop(id(module), None)
+
+
+class InitOwner:
+    """Owns the groups sharded by `Init` until `zerodp.initialize` adopts them."""
+
+    def __init__(self, comm: Comm, device: torch.device) -> None:
+        self.comm = comm
+        self.device = device
+        self.groups: dict[int, ShardedGroup] = {}  # id(param) -> its group
+        self._dirty: list[ShardedGroup] = []
+
+    def shard(self, params: list[nn.Parameter], names: list[str]) -> ShardedGroup:
+        _NEXT_GROUP_INDEX[0] += 1
+        flat = FlatGroup(
+            index=_NEXT_GROUP_INDEX[0],
+            params=params,
+            names=names,
+            world_size=self.comm.world_size,
+            rank=self.comm.rank,
+            device=self.device,
+            param_group_index=-1,
+            separate_shard=True,
+        )
+        self.comm.broadcast(flat.full, src=0)
+        flat.take_shard_from_full()
+        group = ShardedGroup(flat, self.comm, persistent=False)
+        for param in params:
+            self.groups[id(param)] = group
+            zero_parameter.adopt(param, self)
+        return group
+
+    # -- the ParamOwner protocol -----------------------------------------------------------
+
+    def group_of(self, param: nn.Parameter) -> ShardedGroup | None:
+        return self.groups.get(id(param))
+
+    def hold(self, group: ShardedGroup) -> None:
+        group.to_available()
+        group.holds += 1
+
+    def unhold(self, group: ShardedGroup) -> None:
+        group.holds = max(0, group.holds - 1)
+        group.release_if_unused()
+
+    def before_use(
+        self, param: nn.Parameter, func: Callable[..., Any]
+    ) -> Callable[[], None] | None:
+        group = self.groups.get(id(param))
+        if group is None:
+            return None
+        if zero_parameter.is_data_property(func):
+            if getattr(func, "__name__", "") == "__set__":
+                raise ValueError(
+                    "assigning `.data` of a parameter sharded by zerodp.zero.Init is not "
+                    "supported; write into it instead (e.g. `param.copy_(value)`)"
+                )
+            self.hold(group)  # the alias escapes: keep it gathered until Init ends
+            self._dirty.append(group)
+            return None
+        if group.holds > 0 or group.status is ParamStatus.AVAILABLE:
+            return None
+        self.hold(group)
+        writes = zero_parameter.is_in_place(func)
+
+        def after() -> None:
+            if writes:
+                self._publish(group)
+            self.unhold(group)
+
+        return after
+
+    def flush_dirty(self) -> None:
+        for group in self._dirty:
+            self._publish(group)
+            self.unhold(group)
+        self._dirty = []
+
+    def _publish(self, group: ShardedGroup) -> None:
+        """Rank 0's values win (as at construction); every rank keeps its shard."""
+        self.comm.broadcast(group.flat.full, src=0)
+        group.flat.take_shard_from_full()
+
+
+def init_groups(module: nn.Module) -> list[ShardedGroup]:
+    """The groups `Init` sharded for `module`'s parameters, in parameter order."""
+    found: list[ShardedGroup] = []
+    for param in module.parameters():
+        owner = zero_parameter.owner_of(param)
+        if isinstance(owner, InitOwner):
+            group = owner.group_of(param)
+            if group is not None and all(group is not g for g in found):
+                found.append(group)
+    return found
+
+
+def adopt_init_groups(
+    module: nn.Module,
+    trainable_groups: dict[int, int],
+    keep_sharded: bool,
+    persistence_threshold: int,
+) -> list[FlatGroup]:
+    """Hand `Init`'s groups over to an engine being built for `module`.
+
+    A group is kept sharded as it is when the engine shards parameters, all of
+    its parameters are still in the module (tying may have replaced some), they
+    share one optimizer param group and none is below the persistence
+    threshold. Any other group is gathered and its parameters made plain, so
+    that the engine lays them out afresh (copying their values).
+    """
+    present = {id(p) for p in module.parameters()}
+    kept: list[FlatGroup] = []
+    for group in init_groups(module):
+        params = group.flat.params
+        same_group = len({trainable_groups.get(id(p), -1) for p in params}) == 1
+        keep = (
+            keep_sharded
+            and same_group
+            and all(id(p) in present for p in params)
+            and all(p.numel() >= persistence_threshold for p in params)
+        )
+        if not keep:
+            group.to_available()
+        for param in params:
+            zero_parameter.release(param)
+        if keep:
+            kept.append(group.flat)
+    return kept
