@@ -7,8 +7,6 @@ stages 0-2; here are the structures and features only stage 3 has to get right.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from examples.gpt import GPT, GPTConfig
 from tests.models import (
     FunctionalTiedLM,
     SharedBlockNet,
@@ -28,9 +27,6 @@ from zerodp.monitor import ideal_model_state_bytes
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_grads_match, assert_params_match
 from zerodp.zero import GatheredParameters, Init, ParamStatus, is_persistent, param_status
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 STRUCTURES = {
     "tied_embeddings": (TiedLM, token_inputs),
