@@ -105,8 +105,8 @@ def _consolidate(checkpoint_dir: str, output: str, tag: str | None) -> int:
         from zerodp.checkpoint.consolidate import consolidate_checkpoint
     except ImportError as error:
         print(
-            "zerodp consolidate: error: checkpoint consolidation is not available in this "
-            f"zerodp installation ({error}); upgrade zerodp",
+            "zerodp consolidate: error: this zerodp installation has no checkpoint "
+            f"consolidation (zerodp.checkpoint.consolidate is not importable: {error})",
             file=sys.stderr,
         )
         return USAGE_ERROR
