@@ -14,6 +14,7 @@ from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
 from zerodp.params.runtime import Stage3Runtime
 from zerodp.partition import FlatGroup
+from zerodp.precision.master import MasterWeights
 
 
 class FullStateAccessor:
@@ -27,6 +28,7 @@ class FullStateAccessor:
         optimizer: torch.optim.Optimizer,
         owns_full_group: bool,
         stage3: Stage3Runtime | None,
+        masters: MasterWeights | None = None,
     ) -> None:
         self.comm = comm
         self.reducer = reducer
@@ -34,6 +36,7 @@ class FullStateAccessor:
         self.optimizer = optimizer
         self.owns_full_group = owns_full_group
         self.stage3 = stage3
+        self.masters = masters
         self._where: dict[int, tuple[FlatGroup, int]] = {
             id(p): (g, i) for g in groups for i, p in enumerate(g.params)
         }
@@ -74,6 +77,15 @@ class FullStateAccessor:
                 group.shard[lo - shard_start : hi - shard_start].copy_(
                     flat_value[lo - start : hi - start]
                 )
+            master = self.masters.master_of(group) if self.masters is not None else None
+            if master is not None:
+                # The master holds the owned range in fp32: the whole group at stage 0.
+                if master.numel() == group.padded_numel:
+                    master[start:end].copy_(value.detach().reshape(-1).to(master))
+                elif lo < hi:
+                    master[lo - shard_start : hi - shard_start].copy_(
+                        value.detach().reshape(-1)[lo - start : hi - start].to(master)
+                    )
 
     def full_optimizer_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
         where = self._where.get(id(param))

@@ -19,26 +19,24 @@ from torch.utils.hooks import RemovableHandle
 
 from zerodp import registry
 from zerodp.accessors import FullStateAccessor
+from zerodp.assembly import assemble
 from zerodp.backward import autograd_api
 from zerodp.backward.hooks import install_parameter_hooks, install_root_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle, GraphTask
-from zerodp.backward.reducer import GradientReducer
-from zerodp.comm import Comm, broadcast_tensors, default_device, ensure_process_group
+from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.errors import LifecycleError
 from zerodp.monitor.memory import ModelStateBytes, engine_model_state_bytes
-from zerodp.optim.factory import build_optimizer, shard_parameter
 from zerodp.optim.param_groups import resolve_param_groups
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import strategy_for
-from zerodp.params.init import adopt_init_groups
-from zerodp.params.runtime import Stage3Runtime
 from zerodp.params.status import ParamStatus
 from zerodp.partition import FlatGroup
-from zerodp.partition.builder import build_layout
+from zerodp.precision import loss_scaler_from_config, precision_policy
+from zerodp.precision.inputs import install_input_cast
 
 logger = logging.getLogger("zerodp")
 
@@ -68,6 +66,7 @@ class ZeroEngine:
         self.comm = Comm()
         self.device = default_device()
         self.strategy = strategy_for(config.zero_optimization.stage)
+        self.precision = precision_policy(config)
         self.module = module
         self.global_steps = 0
         self.micro_steps = 0
@@ -78,85 +77,57 @@ class ZeroEngine:
         self._destroyed = False
 
         specs = resolve_param_groups(module, model_parameters, optimizer)
-        trainable_groups = {id(p): i for i, spec in enumerate(specs) for p in spec.params}
-        zero = config.zero_optimization
-        presharded = adopt_init_groups(
+        state = assemble(
             module,
-            trainable_groups,
-            keep_sharded=self.strategy.shards_params,
-            persistence_threshold=zero.stage3_param_persistence_threshold,
-        )
-        self.layout = build_layout(
-            module,
-            trainable_groups,
-            shard_params=self.strategy.shards_params,
-            world_size=self.comm.world_size,
-            rank=self.comm.rank,
+            config,
+            comm=self.comm,
             device=self.device,
-            bucket_numel=zero.reduce_bucket_size,
-            persistence_threshold=zero.stage3_param_persistence_threshold,
-            presharded=presharded,
+            strategy=self.strategy,
+            policy=self.precision,
+            lifecycle=self.lifecycle,
+            specs=specs,
+            user_optimizer=optimizer,
         )
-        self._sync_from_rank0()
-        self.stage3: Stage3Runtime | None = None
-        if self.strategy.shards_params:
-            self.stage3 = Stage3Runtime(
-                module,
-                self.layout,
-                self.comm,
-                self.lifecycle,
-                prefetch_numel=zero.stage3_prefetch_bucket_size,
-                max_live_numel=zero.stage3_max_live_parameters,
-            )
-
-        self.reducer = GradientReducer(
-            self.layout.groups,
-            self.comm,
-            self.strategy.reduction,
-            max_inflight_elements=zero.reduce_bucket_size,
-            overlap_comm=zero.overlap_comm,
+        self.layout = state.layout
+        self.stage3 = state.stage3
+        self.reducer = state.reducer
+        self.masters = state.masters
+        self._managed_params = state.managed_params
+        self._handles += install_parameter_hooks(
+            state.trainable_params, self.lifecycle, self.reducer
         )
-        if self.stage3 is not None:
-            self.reducer.on_group_complete.append(self.stage3.coordinator.on_grads_complete)
-        self._managed_params = [p for g in self.layout.groups for p in g.params]
-        trainable_params = [p for g in self.layout.groups if g.trainable for p in g.params]
-        self._handles += install_parameter_hooks(trainable_params, self.lifecycle, self.reducer)
         self._handles += install_root_hooks(module, self.lifecycle, self._on_forward_start)
+        if self.precision.mixed:
+            self._handles.append(install_input_cast(module, self.precision.param_dtype))
         self._handles += [
             self.lifecycle.on_prologue(self._prologue),
             self.lifecycle.on_epilogue(self._epilogue),
             self.lifecycle.on_abort(self._abort),
         ]
-
-        shards = []
-        shard_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
-        for grads in self.reducer.groups:
-            group = grads.group
-            owned = group.full if self.strategy.reduction.optimizer_owns_full_group else group.shard
-            shard = shard_parameter(owned)
-            shards.append((grads, shard))
-            shard_groups[group.param_group_index]["params"].append(shard)
-        inner = build_optimizer(optimizer, config.optimizer, shard_groups)
+        inner = state.inner_optimizer
         self.optimizer = ZeroOptimizer(
             inner,
             reducer=self.reducer,
             comm=self.comm,
-            shards=shards,
+            shards=state.shards,
             sharded_grads=self.strategy.shards_optimizer_state,
             resident_groups=self._resident_groups,
             model_params=self._managed_params,
             gradient_clipping=config.gradient_clipping,
             before_step=self._check_can_step,
             on_zero_grad=self.zero_grad,
+            loss_scaler=loss_scaler_from_config(config.fp16),
+            masters=self.masters,
         )
         self.full_state = FullStateAccessor(
             comm=self.comm,
             reducer=self.reducer,
             groups=self.layout.groups,
-            shard_params={id(grads.group): shard for grads, shard in shards},
+            shard_params={id(grads.group): shard for grads, shard in state.shards},
             optimizer=inner,
             owns_full_group=self.strategy.reduction.optimizer_owns_full_group,
             stage3=self.stage3,
+            masters=self.masters,
         )
         self.lr_scheduler = self._make_scheduler(lr_scheduler, inner)
         self.training_dataloader = None
@@ -173,26 +144,6 @@ class ZeroEngine:
         registry.register(self, self._managed_params)
 
     # -- set-up helpers ------------------------------------------------------------------
-
-    def _sync_from_rank0(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as with DDP."""
-        managed = {id(p) for g in self.layout.groups for p in g.params}
-        loose = []
-        for param in self.module.parameters():
-            if id(param) not in managed:
-                param.data = param.data.to(self.device)
-                loose.append(param.data)
-        for buffer_owner in self.module.modules():
-            for name, buffer in buffer_owner._buffers.items():
-                if buffer is not None:
-                    moved = buffer.to(self.device)
-                    buffer_owner._buffers[name] = moved
-                    loose.append(moved)
-        # Groups built sharded by zero.Init were taken from rank 0 already (and are empty now).
-        resident = [g for g in self.layout.groups if g.full_is_allocated]
-        broadcast_tensors(self.comm, [g.full for g in resident] + loose)
-        for group in resident:
-            group.take_shard_from_full()
 
     def _make_scheduler(self, lr_scheduler: Any, inner: torch.optim.Optimizer) -> Any:
         if lr_scheduler is None:
@@ -260,9 +211,11 @@ class ZeroEngine:
     forward = __call__
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss as backward should see it: divided by the accumulation steps."""
+        """The loss as backward should see it: divided by the accumulation steps, and
+        multiplied by the fp16 loss scale (the optimizer step divides it out again)."""
         gas = self.gradient_accumulation_steps()
-        return loss / gas if gas > 1 else loss
+        factor = self.optimizer.loss_scaler.scale / gas
+        return loss * factor if factor != 1.0 else loss
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any
@@ -305,7 +258,7 @@ class ZeroEngine:
         self._check_can_step()
         if self.is_gradient_accumulation_boundary():
             self.optimizer.step()
-            if self.lr_scheduler is not None:
+            if self.lr_scheduler is not None and not self.optimizer.last_step_skipped:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
@@ -344,6 +297,16 @@ class ZeroEngine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.optimizer.loss_scaler.scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because gradients overflowed (fp16)."""
+        return self.optimizer.skipped_steps
+
     def get_lr(self) -> list[float]:
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
@@ -374,7 +337,7 @@ class ZeroEngine:
 
     def optimizer_extra_state(self) -> list[torch.Tensor]:
         """Optimizer-side tensors outside the torch optimizer's state (fp32 master weights)."""
-        return []
+        return self.masters.tensors() if self.masters is not None else []
 
     def model_state_bytes(self) -> ModelStateBytes:
         """Bytes this rank holds in parameters, gradients and optimizer state."""

@@ -252,7 +252,8 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
 def test_prefetch_follows_order_changes_exactly(pools, max_live: int) -> None:
     report = pools(2).run(prefetch_and_order_changes, max_live)[0]
     assert report["divergences"] >= 2, report  # the swap and the swap back were noticed
-    assert report["prefetched"] > 0, report
-    if max_live < 1_000_000:
+    if max_live >= 1_000_000:
+        assert report["prefetched"] > 0, report
+    else:
         # Prefetching stops at the cap; a gather that is needed goes ahead anyway.
         assert report["peak"] <= max_live + 2 * report["largest"], report

@@ -22,6 +22,8 @@ from zerodp.backward.reducer import GradientReducer, GroupGradients
 from zerodp.comm import Comm
 from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm
 from zerodp.partition import FlatGroup
+from zerodp.precision.loss_scaler import LossScaler
+from zerodp.precision.master import MasterWeights
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -44,6 +46,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradient_clipping: float,
         before_step: Callable[[], None],
         on_zero_grad: Callable[[], None],
+        loss_scaler: LossScaler | None = None,
+        masters: MasterWeights | None = None,
     ) -> None:
         self.inner = inner
         self.defaults = inner.defaults
@@ -56,7 +60,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = gradient_clipping
         self._before_step = before_step
         self._on_zero_grad = on_zero_grad
+        self.loss_scaler = loss_scaler or LossScaler.none()
+        self._masters = masters
         self.last_grad_norm: torch.Tensor | None = None
+        self.last_step_skipped = False
+        self.skipped_steps = 0
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -112,14 +120,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
             grad = self._reducer.owned_grad(group_grads)
             shard.grad = grad if grad.dtype == shard.dtype else grad.to(shard.dtype)
             grads.append(shard.grad)
+        scaler = self.loss_scaler
+        if scaler.scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / scaler.scale)
         norm = global_grad_norm(grads, self._comm, sharded=self._sharded_grads)
         self.last_grad_norm = norm
+        self.last_step_skipped = False
+        if scaler.checks_overflow:
+            # The norm is global (summed over every rank's shard): every rank decides alike.
+            overflow = not bool(torch.isfinite(norm).item())
+            scaler.update(overflow)
+            if overflow:
+                self.last_step_skipped = True
+                self.skipped_steps += 1
+                self._drop_shard_grads()
+                return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
         self.inner.step()
-        for _, shard in self._shards:
-            shard.grad = None
+        self._drop_shard_grads()
+        if self._masters is not None:
+            self._masters.copy_to_model()
         self._publish()
         autograd_api.increment_version(self._model_params)
+
+    def _drop_shard_grads(self) -> None:
+        for _, shard in self._shards:
+            shard.grad = None
 
     def _publish(self) -> None:
         """Make resident full parameters match the updated shards (one all-gather each)."""

@@ -90,6 +90,9 @@ class GatheredParameters:
         broadcast_tensors(_comm_for(self.params), [f.full for f in flats] + loose, src=src)
         for flat in flats:
             flat.take_shard_from_full()
+            engine = registry.engine_of(flat.params[0])
+            if engine is not None and engine.masters is not None:
+                engine.masters.refresh_from_model(flat)
 
     @staticmethod
     def _flat_group_of(param: nn.Parameter) -> Any:

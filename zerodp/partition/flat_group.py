@@ -84,6 +84,28 @@ class FlatGroup:
         slot = self.layout.slots[position]
         return slot.offset, slot.end
 
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Convert the group to `dtype` (once, at set-up: mixed precision's model copy).
+
+        A new full buffer of `dtype` replaces the old one and the parameters become
+        views of it; a separate shard is converted too. A freed full buffer stays
+        freed (only the shard holds values then).
+        """
+        if dtype == self.dtype:
+            return
+        resident = self.full_is_allocated
+        if resident:
+            self.full = self.full.to(dtype)
+        else:
+            self.full = torch.empty(self.layout.padded_numel, dtype=dtype, device=self.device)
+        for param, slot in zip(self.params, self.layout.slots, strict=True):
+            param.data = self.full[slot.offset : slot.end].view(slot.shape)
+        start, end = self.layout.shard_range(self.rank)
+        self.shard = self.shard.to(dtype) if self.separate_shard else self.full[start:end]
+        if not resident:
+            self.free_full()
+        self.dtype = dtype
+
     def take_shard_from_full(self) -> None:
         """Refresh a separate shard from the full buffer (after the full buffer was overwritten)."""
         if self.separate_shard:

@@ -1,0 +1,57 @@
+"""Which dtype each piece of model state has: decided once, from the config.
+
+| state                         | fp32   | bf16 / fp16                                  |
+|-------------------------------|--------|----------------------------------------------|
+| parameters, activations       | fp32   | bf16 / fp16                                  |
+| master weights (owned range)  | none   | fp32                                         |
+| optimizer state               | fp32   | fp32                                         |
+| kept gradients                | fp32   | the model's dtype; fp32 when accumulating    |
+| gradient communication        | the gradients' dtype, or communication_data_type |
+
+Gradients are kept in fp32 when `gradient_accumulation_steps` > 1, so that
+summing micro-batches does not round in half precision; with one micro-batch
+per step they are kept in the model's dtype, which gives the ZeRO paper's
+2 + 2 + 12 bytes per parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerodp.config import ZeroDPConfig
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    param_dtype: torch.dtype
+    grad_storage_dtype: torch.dtype
+    comm_dtype: torch.dtype | None  # None: the gradients' own dtype
+
+    @property
+    def mixed(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    @property
+    def master_dtype(self) -> torch.dtype | None:
+        return torch.float32 if self.mixed else None
+
+
+def precision_policy(config: ZeroDPConfig) -> PrecisionPolicy:
+    if config.bf16.enabled:
+        param_dtype = torch.bfloat16
+    elif config.fp16.enabled:
+        param_dtype = torch.float16
+    else:
+        param_dtype = torch.float32
+    accumulating = config.batch_sizes.gradient_accumulation_steps > 1
+    grad_dtype = torch.float32 if accumulating else param_dtype
+    comm = config.communication_data_type
+    return PrecisionPolicy(
+        param_dtype=param_dtype,
+        grad_storage_dtype=grad_dtype,
+        comm_dtype=_DTYPES[comm] if comm is not None else None,
+    )
