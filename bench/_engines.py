@@ -41,7 +41,9 @@ class EngineSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.engine}-{self.stage}" if self.engine in ("zerodp", "deepspeed") else self.engine
+        return (
+            f"{self.engine}-{self.stage}" if self.engine in ("zerodp", "deepspeed") else self.engine
+        )
 
 
 ALL_SPECS: tuple[EngineSpec, ...] = (
@@ -232,7 +234,7 @@ def _ddp(model: nn.Module, device: torch.device, counter: CollectiveCounter) -> 
 
     device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
     ddp = DistributedDataParallel(model, device_ids=device_ids)
-    ddp.register_comm_hook(counter, counting_allreduce_hook)
+    ddp.register_comm_hook(None, counting_allreduce_hook(counter))
     return ddp
 
 
@@ -242,9 +244,7 @@ def build_ddp(
     counter = CollectiveCounter()
     ddp = _ddp(model, device, counter)
     optimizer = settings.adamw(ddp.parameters())
-    return TorchRunner(
-        spec, ddp, optimizer, counter, state_module=model, state_optimizer=optimizer
-    )
+    return TorchRunner(spec, ddp, optimizer, counter, state_module=model, state_optimizer=optimizer)
 
 
 def build_zero_redundancy(

@@ -52,7 +52,9 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
-def _sizing_arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, names: Iterable[str]) -> Any:
+def _sizing_arg(
+    args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, names: Iterable[str]
+) -> Any:
     if len(args) > pos:
         return args[pos]
     for name in names:
@@ -132,8 +134,8 @@ class CollectiveCounter:
         return counted
 
 
-def counting_allreduce_hook(counter: CollectiveCounter, bucket: Any) -> Any:
-    """A DDP comm hook: count the bucket, then DDP's default all-reduce (which we don't recount).
+def counting_allreduce_hook(counter: CollectiveCounter) -> Callable[..., Any]:
+    """A DDP comm hook: count the bucket, then DDP's default all-reduce (not counted again).
 
     DDP reduces in C++ where Python wrappers cannot see it; routing its buckets
     through this hook makes the traffic visible at the cost of one Python call
@@ -141,9 +143,13 @@ def counting_allreduce_hook(counter: CollectiveCounter, bucket: Any) -> Any:
     """
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    counter.record("all_reduce", _nbytes(bucket.buffer()))
-    with counter.nested():
-        return allreduce_hook(None, bucket)
+    # No annotations: DDP compares them with the real classes, and ours would be strings.
+    def hook(state, bucket):
+        counter.record("all_reduce", _nbytes(bucket.buffer()))
+        with counter.nested():
+            return allreduce_hook(state, bucket)
+
+    return hook
 
 
 # --- model-state bytes ---------------------------------------------------------------

@@ -8,13 +8,23 @@ interleaved mostly do not.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bench._engines import EngineSpec
 from zerodp.monitor import ModelStateBytes
 
 _MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One engine's bytes: totals from the rank holding most, breakdowns from this rank."""
+
+    state: ModelStateBytes | None
+    state_bytes: int | None
+    comm_bytes: int | None
+    comm_by_kind: dict[str, dict[str, int]]
 
 
 @dataclass
@@ -26,10 +36,8 @@ class Row:
     samples_s: list[float]
     median_s: float
     min_s: float
-    state: ModelStateBytes | None
     ideal_bytes: int
-    comm_bytes: int | None
-    comm_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    measured: Measured
     ratio_median: float | None = None
     ratio_min: float | None = None
 
@@ -77,9 +85,9 @@ def _cells(row: Row) -> list[str]:
         f"{row.min_s * 1e3:.1f}",
         _ratio(row.ratio_median),
         _ratio(row.ratio_min),
-        _mib(row.state.total if row.state is not None else None),
+        _mib(row.measured.state_bytes),
         _mib(row.ideal_bytes),
-        _mib(row.comm_bytes),
+        _mib(row.measured.comm_bytes),
     ]
 
 
@@ -99,7 +107,7 @@ def format_table(rows: list[Row]) -> str:
 
 
 def row_json(row: Row, world_size: int) -> dict[str, Any]:
-    state = row.state
+    state = row.measured.state
     return {
         "engine": row.spec.engine,
         "stage": row.spec.stage,
@@ -108,20 +116,20 @@ def row_json(row: Row, world_size: int) -> dict[str, Any]:
         "min_s": row.min_s,
         "ratio_median": row.ratio_median,
         "ratio_min": row.ratio_min,
-        "model_state_bytes": state.total if state is not None else None,
+        "model_state_bytes": row.measured.state_bytes,
         "ideal_model_state_bytes": row.ideal_bytes,
-        "comm_bytes_per_step": row.comm_bytes,
+        "comm_bytes_per_step": row.measured.comm_bytes,
         "label": row.spec.label,
         "params": row.params,
         "world_size": world_size,
         "steps_per_repeat": row.steps,
         "samples_s": row.samples_s,
-        "model_state_breakdown": (
+        "model_state_breakdown_rank0": (
             None
             if state is None
             else {"params": state.params, "grads": state.grads, "optimizer": state.optimizer}
         ),
-        "comm_by_kind": row.comm_by_kind,
+        "comm_by_kind_rank0": row.measured.comm_by_kind,
     }
 
 

@@ -7,6 +7,8 @@ ranks' shards, so user code can inspect or set one parameter whatever the stage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ class FullStateAccessor:
         owns_full_group: bool,
         stage3: Stage3Runtime | None,
         masters: MasterWeights | None = None,
+        loss_scale: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.comm = comm
         self.reducer = reducer
@@ -37,14 +40,18 @@ class FullStateAccessor:
         self.owns_full_group = owns_full_group
         self.stage3 = stage3
         self.masters = masters
+        self.loss_scale = loss_scale
         self._where: dict[int, tuple[FlatGroup, int]] = {
             id(p): (g, i) for g in groups for i, p in enumerate(g.params)
         }
 
     def full_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The averaged gradient; under fp16 loss scaling, unscaled and in fp32."""
         if not self.reducer.manages(param):
             return None if param.grad is None else param.grad.detach().clone()
-        return self.reducer.full_grad(param)
+        grad = self.reducer.full_grad(param)
+        scale = self.loss_scale()
+        return grad if scale == 1.0 else grad.float() / scale
 
     def full_fp32_param(self, param: nn.Parameter) -> torch.Tensor:
         where = self._where.get(id(param))

@@ -75,6 +75,7 @@ class ZeroEngine:
         self.lifecycle = BackwardLifecycle()
         self._handles: list[RemovableHandle] = []
         self._destroyed = False
+        self._scaled_loss_pending = False  # scale() was called; the next task's loss is scaled
 
         specs = resolve_param_groups(module, model_parameters, optimizer)
         state = assemble(
@@ -128,6 +129,7 @@ class ZeroEngine:
             owns_full_group=self.strategy.reduction.optimizer_owns_full_group,
             stage3=self.stage3,
             masters=self.masters,
+            loss_scale=lambda: self.optimizer.loss_scaler.scale,
         )
         self.lr_scheduler = self._make_scheduler(lr_scheduler, inner)
         self.training_dataloader = None
@@ -176,7 +178,15 @@ class ZeroEngine:
             self._abort_stale_backward()
 
     def _prologue(self, task: GraphTask) -> None:
-        self.reducer.begin_task(is_boundary=self.is_gradient_accumulation_boundary())
+        # A backward whose loss went through scale() carries the fp16 loss scale; any
+        # other (a plain loss.backward()) gets it applied to its gradients instead.
+        loss_scale = self.optimizer.loss_scaler.scale
+        unscaled = not self._scaled_loss_pending and loss_scale != 1.0
+        self._scaled_loss_pending = False
+        self.reducer.begin_task(
+            is_boundary=self.is_gradient_accumulation_boundary(),
+            contribution_scale=loss_scale if unscaled else 1.0,
+        )
 
     def _epilogue(self, task: GraphTask) -> None:
         self.reducer.end_task()
@@ -215,6 +225,7 @@ class ZeroEngine:
         multiplied by the fp16 loss scale (the optimizer step divides it out again)."""
         gas = self.gradient_accumulation_steps()
         factor = self.optimizer.loss_scaler.scale / gas
+        self._scaled_loss_pending = True
         return loss * factor if factor != 1.0 else loss
 
     def backward(

@@ -25,16 +25,30 @@ from zerodp.testing.parity import assert_grads_match, assert_params_match
 from zerodp.zero import ParamStatus, is_persistent, param_status
 
 STYLES = ["engine_backward", "loss_backward", "scale_backward"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# zerodp and the hand-written mixed recipe do the same operations; the tolerance covers the
+# one place they may round differently: a plain fp16 loss.backward() gets the loss scale
+# applied to its gradients (in zerodp) rather than to its loss (in the reference).
+MIXED_TOLERANCE = {
+    "bf16": {"rtol": 1.6e-2, "atol": 1e-4},
+    "fp16": {"rtol": 2e-3, "atol": 1e-5},
+}
 
 
 class Lockstep:
     """Drives zerodp and the reference through the same pattern, checking as it goes."""
 
-    def __init__(self, stage: int, style: str, gas: int = 1, checkpoint: str | None = None):
+    def __init__(
+        self,
+        stage: int,
+        style: str,
+        gas: int = 1,
+        checkpoint: str | None = None,
+        dtype: str = "fp32",
+    ):
         torch.manual_seed(0)
         self.model = LifecycleNet(checkpoint)
-        self.ref_model = copy.deepcopy(self.model)
-        self.stage, self.style, self.gas = stage, style, gas
+        self.stage, self.style, self.gas, self.dtype = stage, style, gas, dtype
         self.rank = dist.get_rank()
         config = {
             "train_micro_batch_size_per_gpu": 4,
@@ -42,10 +56,20 @@ class Lockstep:
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         }
-        self.engine, _, _, _ = zerodp.initialize(model=self.model, config=config)
+        torch_dtype = DTYPES[dtype]
+        if dtype == "bf16":
+            config["bf16"] = {"enabled": True}
+        elif dtype == "fp16":
+            config["fp16"] = {"enabled": True, "initial_scale_power": 4}
         self.reference = ReferenceDP(
-            self.ref_model, lambda params: torch.optim.Adam(params, lr=1e-2)
+            copy.deepcopy(self.model),
+            lambda params: torch.optim.Adam(params, lr=1e-2),
+            dtype=torch_dtype,
+            grad_dtype=torch.float32 if gas > 1 else torch_dtype,
+            defer_reduction=torch_dtype != torch.float32 and gas > 1 and stage in (0, 1),
         )
+        self.ref_model = self.reference.model
+        self.engine, _, _, _ = zerodp.initialize(model=self.model, config=config)
         self.prologues: list[int] = []
         self.epilogues: list[int] = []
         self.engine.register_backward_hooks(
@@ -57,10 +81,15 @@ class Lockstep:
 
     @property
     def scale(self) -> float:
-        return 1.0 if self.style == "loss_backward" else 1.0 / self.gas
+        """What the reference's loss is multiplied by: 1/GAS as engine.scale does (a plain
+        loss.backward() does not divide), and the fp16 loss scale, which zerodp applies to
+        every backward (to the loss, or to a plain backward's gradients)."""
+        gas_factor = 1.0 if self.style == "loss_backward" else 1.0 / self.gas
+        return gas_factor * self.engine.loss_scale
 
     def forward(self, x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.engine(x, **kwargs), self.ref_model(x.clone(), **kwargs)
+        out = self.engine(x, **kwargs).float()
+        return out, self.ref_model(x.clone().to(DTYPES[self.dtype]), **kwargs).float()
 
     def backward(self, losses: tuple[torch.Tensor, torch.Tensor], retain_graph: bool = False):
         loss, ref_loss = losses
@@ -82,15 +111,46 @@ class Lockstep:
 
     def step(self) -> None:
         boundary = self.engine.is_gradient_accumulation_boundary()
+        loss_scale = self.engine.loss_scale
         self.engine.step()
         if boundary:
-            self.reference.step()
+            self.reference.reduce_local()
+            assert self.reference.step(loss_scale=loss_scale)
             self.reference.zero_grad()
-            assert_params_match(self.model, self.reference, self._where("after a step"))
+            if self.dtype == "fp32":
+                assert_params_match(self.model, self.reference, self._where("after a step"))
+            else:
+                for p, r in zip(
+                    self.model.parameters(), self.reference.model.parameters(), strict=True
+                ):
+                    if not r.requires_grad:
+                        continue
+                    master = zerodp.utils.safe_get_full_fp32_param(p)
+                    torch.testing.assert_close(
+                        master, self.reference.master(r), **MIXED_TOLERANCE[self.dtype]
+                    )
 
     def check(self, what: str) -> None:
         self.checks += 1
-        assert_grads_match(self.model, self.reference, self._where(what))
+        if self.dtype == "fp32":
+            assert_grads_match(self.model, self.reference, self._where(what))
+            return
+        if self.reference.defer_reduction:
+            return  # between boundaries the reference holds local sums only
+        loss_scale = self.engine.loss_scale
+        for (name, param), ref_param in zip(
+            self.model.named_parameters(), self.reference.model.parameters(), strict=True
+        ):
+            if not ref_param.requires_grad:
+                continue
+            full = zerodp.utils.safe_get_full_grad(param)
+            expected = self.reference.grad(ref_param).float() / loss_scale
+            torch.testing.assert_close(
+                full.float(),
+                expected,
+                **MIXED_TOLERANCE[self.dtype],
+                msg=lambda m, n=name: f"{self._where(what)}: grad of {n}: {m}",
+            )
 
     def check_task_counts(self) -> None:
         assert len(self.prologues) == self.graph_tasks, (self.prologues, self.graph_tasks)
@@ -170,11 +230,11 @@ def case_three_losses(run: Lockstep) -> None:
 
 def case_gradient_penalty(run: Lockstep) -> None:
     """6: autograd.grad(create_graph=True) for a gradient penalty, then backward through it."""
-    x = lifecycle_inputs(run.rank, 0).requires_grad_(True)
+    x = lifecycle_inputs(run.rank, 0).to(DTYPES[run.dtype]).requires_grad_(True)
     x_ref = x.detach().clone().requires_grad_(True)
     losses = []
     for model_call, inputs in ((run.engine, x), (run.ref_model, x_ref)):
-        loss = mse(model_call(inputs))
+        loss = mse(model_call(inputs).float())
         (grad_x,) = torch.autograd.grad(loss, inputs, create_graph=True)
         losses.append(loss + grad_x.square().sum())
     run.graph_tasks += 1  # the autograd.grad task (zerodp's; the reference's is not counted)
@@ -261,9 +321,9 @@ CASES: dict[str, tuple[Callable[[Lockstep], None], dict[str, Any]]] = {
 }
 
 
-def run_case(stage: int, style: str, case: str, gas: int | None = None) -> int:
+def run_case(stage: int, style: str, case: str, gas: int | None = None, dtype: str = "fp32") -> int:
     pattern, options = CASES[case]
-    options = dict(options)
+    options = dict(options, dtype=dtype)
     if gas is not None:
         options["gas"] = gas
     run = Lockstep(stage, style, **options)
@@ -284,6 +344,25 @@ def test_lifecycle_matrix(pools, stage: int, style: str, case: str) -> None:
 @pytest.mark.parametrize("style", STYLES)
 def test_lifecycle_matrix_stage3_world_size_3(pools, style: str, case: str) -> None:
     pools(3).run(run_case, 3, style, case)
+
+
+MIXED_CASES = [
+    "01_retain_zero_grad",
+    "02_retain_accumulate",
+    "03_three_losses",
+    "06_gradient_penalty",
+    "07_checkpoint_reentrant",
+    "10_accumulation_with_retain",
+    "11_five_steps",
+]
+
+
+@pytest.mark.parametrize("case", MIXED_CASES)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_lifecycle_matrix_mixed_precision(pools, stage: int, dtype: str, style: str, case: str):
+    pools(2).run(run_case, stage, style, case, None, dtype)
 
 
 @pytest.mark.parametrize("gas", [1, 2])

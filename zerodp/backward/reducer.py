@@ -138,6 +138,7 @@ class GradientReducer:
         self._inflight_elements = 0
         self._next_launch = 0
         self._task_boundary = False
+        self._contribution_scale = 1.0
         self._task_has_contributions = False
         self._grads_exposed = False
         self.on_group_complete: list = []  # callbacks(FlatGroup), e.g. stage 3 releases
@@ -159,14 +160,20 @@ class GradientReducer:
 
     # -- the graph task --------------------------------------------------------------
 
-    def begin_task(self, is_boundary: bool) -> None:
-        """Prologue: take `param.grad` out of autograd's way so it accumulates fresh."""
+    def begin_task(self, is_boundary: bool, contribution_scale: float = 1.0) -> None:
+        """Prologue: take `param.grad` out of autograd's way so it accumulates fresh.
+
+        `contribution_scale` multiplies this task's gradients on their way in: the
+        fp16 loss scale for a backward whose loss was not scaled, so that every
+        kept gradient carries the same scale.
+        """
         self._task_boundary = is_boundary
+        self._contribution_scale = contribution_scale
         self._task_has_contributions = False
         self._next_launch = 0
         for grads in self.groups:
             grads.reset_task()
-            if self.plan.expose_param_grads:
+            if self._grads_exposed:
                 self._adopt_user_grads(grads)
             else:
                 for param in grads.group.params:
@@ -181,6 +188,8 @@ class GradientReducer:
             return
         grads, position = self._where[id(param)]
         flat_grad = grad.detach().reshape(-1)
+        if self._contribution_scale != 1.0:
+            flat_grad = flat_grad * self._contribution_scale
         self._task_has_contributions = True
         if grads.launched:
             self._reopen(grads)
@@ -391,23 +400,23 @@ class GradientReducer:
             region = grads.storage[start:end]
             user_grad = param.grad
             if user_grad is None:
-                if self._grads_exposed:
-                    region.zero_()
+                region.zero_()
             else:
                 all_none = False
                 if user_grad.data_ptr() != region.data_ptr():
                     region.copy_(user_grad.detach().reshape(-1))
             param.grad = None
-        if all_none and self._grads_exposed and self.plan.defer_to_boundary:
+        if all_none and self.plan.defer_to_boundary:
             grads.mode = GradMode.LOCAL
 
     def _expose_if_needed(self) -> None:
-        if not self.plan.expose_param_grads:
+        """Stage 0: `param.grad` becomes a view of the kept gradient (when dtypes agree)."""
+        if not self.plan.expose_param_grads or any(
+            g.storage.dtype != g.group.dtype for g in self.groups
+        ):
             return
         for grads in self.groups:
             for position, param in enumerate(grads.group.params):
-                if grads.storage.dtype != param.dtype:
-                    continue
                 start, end = grads.group.slot_of(position)
                 param.grad = grads.storage[start:end].view_as(param)
         self._grads_exposed = True

@@ -1,0 +1,317 @@
+"""Step time, model-state memory and traffic of zerodp against DDP, FSDP2 and friends.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/step_time.py \
+        [--json out.json] [--steps N] [--repeats R] [--models small,medium] [--engines ...]
+
+Every engine trains its own copy of one seeded GPT on the same per-rank
+random batches with fp32 AdamW. Engines are timed interleaved (A, B, C, A,
+B, C, ...) so noise on a shared machine lands on all of them alike; see
+bench/README.md for what each column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import zerodp  # noqa: E402
+from bench._deepspeed import DeepSpeedRunner, deepspeed_missing_reason  # noqa: E402
+from bench._engines import (  # noqa: E402
+    ALL_SPECS,
+    ENGINE_CHOICES,
+    Batch,
+    EngineSpec,
+    LossModel,
+    Runner,
+    TrainSettings,
+    ZeroDPRunner,
+    build_ddp,
+    build_fsdp2,
+    build_zero_redundancy,
+    parse_engines,
+)
+from bench._measure import median_min, timed  # noqa: E402
+from bench._report import Measured, Row, fill_ratios, format_table, write_json  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+from zerodp.comm import default_device, destroy_process_group_if_owned, ensure_process_group  # noqa: E402
+from zerodp.monitor import ideal_model_state_bytes  # noqa: E402
+
+MODELS: dict[str, GPTConfig] = {
+    "small": GPTConfig(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, d_model=256),
+    "medium": GPTConfig(vocab_size=8192, seq_len=128, n_layer=6, n_head=6, d_model=384),
+}
+# (steps per repeat, repeats) when not given: a few minutes in all on two CPU cores.
+DEFAULT_SCHEDULE: dict[str, tuple[int, int]] = {"small": (2, 5), "medium": (1, 3)}
+_START = time.perf_counter()
+FOOTNOTE = (
+    "state: this rank's parameter, gradient and optimizer-state bytes (largest rank); ideal: the\n"
+    "ZeRO paper's 16 bytes/param split by stage (DDP 0, zero_redundancy 1, fsdp2 3).\n"
+    "comm: bytes of the full tensor each collective works on (all-reduce tensor, reduce-scatter\n"
+    "input, all-gather output), so an all-reduce of N counts N though on the wire it costs about\n"
+    "what a reduce-scatter plus an all-gather of N (2N here) cost. n/a: not measurable."
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
+    p.add_argument("--steps", type=int, help="timed steps per repeat (default: small 2, medium 1)")
+    p.add_argument("--repeats", type=int, help="interleaved repeats (default: small 5, medium 3)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps per engine before timing, at least 2: the last two measure "
+        "model-state bytes and collective bytes",
+    )
+    p.add_argument("--models", default="small,medium", help=f"from {', '.join(MODELS)}")
+    p.add_argument("--engines", default="all", help=f"'all' or from: {ENGINE_CHOICES}")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--reduce-bucket-size", type=int, default=2_000_000, help="elements")
+    p.add_argument("--persistence-threshold", type=int, default=10_000, help="stage 3, elements")
+    p.add_argument("--prefetch-bucket-size", type=int, default=1_000_000, help="stage 3, elements")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--profile-stage3", metavar="PATH", help="profile one zerodp stage 3 step (small model)"
+    )
+    args = p.parse_args(argv)
+    for name in ("steps", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name} must be at least 1, got {value}")
+    if args.warmup < 2:
+        p.error(
+            f"--warmup must be at least 2 (bytes are measured on the last two), got {args.warmup}"
+        )
+    unknown = [m for m in _split(args.models) if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    try:
+        args.specs = list(ALL_SPECS) if args.engines == "all" else parse_engines(args.engines)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def progress(message: str) -> None:
+    """To stderr on rank 0 only, so the table on stdout stays clean."""
+    if is_rank0():
+        print(
+            f"[bench {time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True
+        )
+
+
+def build_model(cfg: GPTConfig, seed: int) -> LossModel:
+    """The one model every engine copies: same seed, so the same weights on every rank."""
+    torch.manual_seed(seed)
+    return LossModel(GPT(cfg))
+
+
+def make_batches(
+    cfg: GPTConfig, micro_batch: int, count: int, seed: int, device: torch.device
+) -> list[Batch]:
+    """Random tokens, different per rank and per step, made before timing starts."""
+    rank = dist.get_rank()
+    batches = []
+    for step in range(count):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+        data = torch.randint(cfg.vocab_size, (micro_batch, cfg.seq_len + 1), generator=gen)
+        data = data.to(device)
+        batches.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
+    return batches
+
+
+def build_runner(
+    spec: EngineSpec, model: LossModel, settings: TrainSettings, device: torch.device
+) -> Runner:
+    if spec.engine == "zerodp":
+        return ZeroDPRunner(spec, model, settings)
+    if spec.engine == "deepspeed":
+        return DeepSpeedRunner(spec, model, settings, dist.get_world_size())
+    builder = {"ddp": build_ddp, "fsdp2": build_fsdp2, "zero_redundancy": build_zero_redundancy}
+    return builder[spec.engine](spec, model, settings, device)
+
+
+def max_over_ranks(value: int | None, device: torch.device) -> int | None:
+    """The largest rank's figure (shards can be uneven); None if any rank has none."""
+    box = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    low = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=device)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return None if int(low.item()) < 0 else int(box.item())
+
+
+def measure_bytes(runner: Runner, batches: list[Batch], device: torch.device) -> Measured:
+    """Model-state bytes and collective bytes of one step each, totals from the rank with most."""
+    state = runner.model_state(batches[0])
+    comm_bytes, by_kind = runner.comm(batches[-1])
+    state_bytes = max_over_ranks(state.total if state is not None else None, device)
+    return Measured(state, state_bytes, max_over_ranks(comm_bytes, device), by_kind)
+
+
+def run_steps(runner: Runner, batches: list[Batch], steps: int) -> None:
+    for i in range(steps):
+        runner.train_step(batches[i % len(batches)])
+
+
+def bench_model(
+    name: str, specs: list[EngineSpec], settings: TrainSettings, args: argparse.Namespace
+) -> list[Row]:
+    """Build every engine on one model, warm up, measure bytes, then time them interleaved."""
+    device = default_device()
+    cfg = MODELS[name]
+    steps, repeats = DEFAULT_SCHEDULE[name]
+    steps, repeats = args.steps or steps, args.repeats or repeats
+    base = build_model(cfg, args.seed)
+    params = base.gpt.num_params()
+    batches = make_batches(cfg, settings.micro_batch, max(steps, args.warmup, 1), args.seed, device)
+    runners: list[Runner] = []
+    try:
+        for spec in specs:
+            progress(f"{name}: building {spec.label}")
+            runners.append(build_runner(spec, copy.deepcopy(base).to(device), settings, device))
+        progress(f"{name}: warming up ({args.warmup} steps each, measuring bytes on the last 2)")
+        measured = []
+        for runner in runners:
+            run_steps(runner, batches, args.warmup - 2)
+            measured.append(measure_bytes(runner, batches, device))
+        samples: list[list[float]] = [[] for _ in runners]
+        for rep in range(repeats):
+            for runner, times in zip(runners, samples, strict=True):
+                times.append(timed(partial(run_steps, runner, batches, steps), device) / steps)
+            summary = ", ".join(
+                f"{r.spec.label} {t[-1] * 1e3:.0f}" for r, t in zip(runners, samples, strict=True)
+            )
+            progress(f"{name}: repeat {rep + 1}/{repeats} (ms/step): {summary}")
+    finally:
+        for runner in runners:
+            runner.close()
+        del runners
+        gc.collect()
+    world = dist.get_world_size()
+    rows = []
+    for spec, times, bytes_ in zip(specs, samples, measured, strict=True):
+        median_s, min_s = median_min(times)
+        ideal = ideal_model_state_bytes(params, spec.stage, world)
+        rows.append(Row(spec, name, params, steps, times, median_s, min_s, ideal, bytes_))
+    return rows
+
+
+def profile_stage3(path: str, settings: TrainSettings, args: argparse.Namespace) -> None:
+    """One zerodp stage 3 step of the small model under torch.profiler on rank 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = default_device()
+    cfg = MODELS["small"]
+    batches = make_batches(cfg, settings.micro_batch, max(args.warmup, 1), args.seed, device)
+    runner = ZeroDPRunner(EngineSpec("zerodp", 3), build_model(cfg, args.seed).to(device), settings)
+    try:
+        run_steps(runner, batches, args.warmup)
+        dist.barrier()
+        if is_rank0():
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+                runner.train_step(batches[0])
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            Path(path).write_text(table + "\n", encoding="utf-8")
+            print(f"stage 3 profile (small model, rank 0) written to {path}")
+        else:
+            runner.train_step(batches[0])
+    finally:
+        runner.close()
+
+
+def header(args: argparse.Namespace, settings: TrainSettings, notes: list[str]) -> str:
+    device = default_device()
+    models = ", ".join(
+        f"{m} (steps x repeats {args.steps or DEFAULT_SCHEDULE[m][0]}"
+        f"x{args.repeats or DEFAULT_SCHEDULE[m][1]})"
+        for m in _split(args.models)
+    )
+    lines = [
+        f"zerodp {zerodp.__version__} step-time benchmark",
+        f"torch {torch.__version__}, world size {dist.get_world_size()}, device {device.type}, "
+        f"backend {dist.get_backend()}, intra-op threads per rank {torch.get_num_threads()}",
+        f"dtype {args.dtype}, AdamW lr {settings.lr} weight_decay 0.0, micro-batch "
+        f"{settings.micro_batch} per rank, warmup {args.warmup}, seed {args.seed}",
+        f"models: {models}",
+        f"zero_optimization: reduce_bucket_size {settings.reduce_bucket_size}, overlap_comm "
+        f"True, stage3_param_persistence_threshold {settings.persistence_threshold}, "
+        f"stage3_prefetch_bucket_size {settings.prefetch_bucket_size}",
+        *(f"note: {n}" for n in notes),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dtype != "fp32":
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"error: --dtype {args.dtype} is not supported yet; run with --dtype fp32 (the "
+                "default)",
+                file=sys.stderr,
+            )
+        return 2
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    settings = TrainSettings(
+        micro_batch=args.micro_batch,
+        lr=args.lr,
+        reduce_bucket_size=args.reduce_bucket_size,
+        persistence_threshold=args.persistence_threshold,
+        prefetch_bucket_size=args.prefetch_bucket_size,
+    )
+    ensure_process_group()
+    try:
+        specs, notes = args.specs, []
+        missing = (
+            deepspeed_missing_reason() if any(s.engine == "deepspeed" for s in specs) else None
+        )
+        if missing is not None:
+            specs = [s for s in specs if s.engine != "deepspeed"]
+            notes.append(f"deepspeed skipped ({missing})")
+        if is_rank0():
+            print(header(args, settings, notes), flush=True)
+        rows: list[Row] = []
+        for name in _split(args.models):
+            rows += bench_model(name, specs, settings, args)
+        fill_ratios(rows)
+        if is_rank0():
+            print("\n" + format_table(rows) + "\n" + FOOTNOTE, flush=True)
+            if args.json:
+                write_json(args.json, rows, dist.get_world_size())
+                print(f"rows written to {args.json}", flush=True)
+        if args.profile_stage3:
+            profile_stage3(args.profile_stage3, settings, args)
+        dist.barrier()
+    finally:
+        destroy_process_group_if_owned()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
