@@ -44,6 +44,9 @@ class ZeroDataLoader:
             sampler=self.sampler,
             collate_fn=collate_fn,
             drop_last=drop_last,
+            # Its own generator: starting an epoch must not draw from the global one
+            # (which dropout uses), or a resumed run would diverge from a straight one.
+            generator=torch.Generator().manual_seed(seed),
         )
         self.epoch = 0
         self.batches_consumed = 0  # in the current epoch

@@ -23,12 +23,15 @@ from zerodp.assembly import assemble
 from zerodp.backward import autograd_api
 from zerodp.backward.hooks import install_parameter_hooks, install_root_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle, GraphTask
+from zerodp.checkpoint.engine_io import load_checkpoint, save_checkpoint
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.errors import LifecycleError
 from zerodp.monitor.memory import ModelStateBytes, engine_model_state_bytes
+from zerodp.monitor.sinks import Monitor
+from zerodp.monitor.training import TrainingReporter
 from zerodp.optim.param_groups import resolve_param_groups
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
@@ -132,6 +135,9 @@ class ZeroEngine:
             loss_scale=lambda: self.optimizer.loss_scaler.scale,
         )
         self.lr_scheduler = self._make_scheduler(lr_scheduler, inner)
+        self.reporter = TrainingReporter(
+            Monitor.from_config(config.csv_monitor, config.tensorboard, rank=self.comm.rank)
+        )
         self.training_dataloader = None
         if training_data is not None:
             self.training_dataloader = ZeroDataLoader(
@@ -244,6 +250,7 @@ class ZeroEngine:
                 "the loss does not require grad: it was computed without autograd "
                 "(under torch.no_grad(), or from frozen parameters only)"
             )
+        self.reporter.record_loss(loss)
         try:
             self.scale(loss).backward(retain_graph=retain_graph, **kwargs)
         except BaseException:
@@ -273,6 +280,7 @@ class ZeroEngine:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+            self.reporter.on_boundary(self, [])
             self.zero_grad()
             if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
                 logger.info("step %d: lr %s", self.global_steps, self.get_lr())
@@ -346,6 +354,35 @@ class ZeroEngine:
         self.module.eval()
         return self
 
+    def save_checkpoint(
+        self, save_dir: Any, tag: str | None = None, client_state: Any = None
+    ) -> str:
+        """Save everything needed to resume, sharded, with torch.distributed.checkpoint.
+
+        A collective: every rank calls it. Written under a temporary name and made
+        visible (renamed, then `latest` updated) only once every rank has finished.
+        Returns the checkpoint's path. See zerodp.checkpoint for the format.
+        """
+        return str(save_checkpoint(self, save_dir, tag=tag, client_state=client_state))
+
+    def load_checkpoint(
+        self,
+        load_dir: Any,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, Any]:
+        """Load a checkpoint saved at any stage and world size; returns (path, client_state)."""
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+
     def optimizer_extra_state(self) -> list[torch.Tensor]:
         """Optimizer-side tensors outside the torch optimizer's state (fp32 master weights)."""
         return self.masters.tensors() if self.masters is not None else []
@@ -373,5 +410,6 @@ class ZeroEngine:
         for param in self._managed_params:
             param.grad = None
         registry.unregister(self._managed_params)
+        self.reporter.close()
         self.reducer.groups = []
         self._destroyed = True

@@ -150,6 +150,21 @@ class Comm:
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
         return bool(value.item() > 0)
 
+    def raise_if_any_failed(self, error: BaseException | None) -> None:
+        """Agree on failure: if any rank has an error, every rank raises (none is left waiting).
+
+        A rank that failed raises its own error; the others raise a ValueError
+        quoting the first failing rank's message.
+        """
+        reports = self.all_gather_object(None if error is None else f"{error}")
+        failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
+        if not failed:
+            return
+        if error is not None:
+            raise error
+        rank, message = failed[0]
+        raise ValueError(f"rank {rank} failed: {message}")
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]

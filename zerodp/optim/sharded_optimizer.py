@@ -143,6 +143,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._publish()
         autograd_api.increment_version(self._model_params)
 
+    @torch.no_grad()
+    def sync_params_from_owned(self) -> None:
+        """Make the model's parameters match the owned ranges (after loading a checkpoint)."""
+        if self._masters is not None:
+            self._masters.copy_to_model()
+        self._publish()
+        autograd_api.increment_version(self._model_params)
+
     def _drop_shard_grads(self) -> None:
         for _, shard in self._shards:
             shard.grad = None

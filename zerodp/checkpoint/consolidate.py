@@ -1,0 +1,74 @@
+"""One full fp32 state dict from a sharded checkpoint, with no process group.
+
+The result loads into the plain model with `load_state_dict(strict=True)`:
+every key of the model's state dict is present, tied parameters under each
+of their names, values in fp32 (from the fp32 master weights when the run
+used mixed precision). Written as safetensors when the output ends in
+`.safetensors` (and safetensors is installed), else with `torch.save`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from zerodp.checkpoint import integrity, plain
+from zerodp.checkpoint.paths import check_load_source
+from zerodp.checkpoint.tensors import quiet_sharded_tensor_warnings
+
+
+def full_state_dict_from_checkpoint(
+    checkpoint_dir: str | Path, tag: str | None = None
+) -> dict[str, torch.Tensor]:
+    path, _ = check_load_source(checkpoint_dir, tag)
+    shared = plain.read_shared_state(path)
+    metadata = integrity.read_metadata(path)
+    integrity.check_files(path, metadata)
+    saved = integrity.saved_keys(metadata)
+    wanted: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, info in shared["params"].items():
+        source = f"master.{name}" if f"master.{name}" in saved else f"model.{name}"
+        numel = int(torch.Size(info["shape"]).numel())
+        wanted[source] = torch.empty(numel, dtype=torch.float32)
+        sources[name] = source
+    for name in shared["buffers"]:
+        key = f"buffer.{name}"
+        if key in saved:
+            wanted[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    with quiet_sharded_tensor_warnings(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*load in a single process.*")
+        dcp.load(wanted, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for key in shared["state_dict_keys"]:
+        name = shared["tied"].get(key, key)
+        if name in sources:
+            out[key] = wanted[sources[name]].view(shared["params"][name]["shape"])
+        elif f"buffer.{key}" in wanted:
+            out[key] = wanted[f"buffer.{key}"]
+    return out
+
+
+def consolidate_checkpoint(checkpoint_dir: str, output_path: str, tag: str | None = None) -> Path:
+    """Write the full fp32 state dict of a checkpoint to `output_path`; returns the path."""
+    state = full_state_dict_from_checkpoint(checkpoint_dir, tag)
+    output = Path(output_path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if output.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError as error:
+            raise ImportError(
+                "writing .safetensors needs the safetensors package (pip install safetensors); "
+                "or give an output path ending in .pt"
+            ) from error
+        # safetensors refuses tensors that share memory (tied weights): store copies.
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(output))
+    else:
+        torch.save(state, output)
+    return output
