@@ -101,7 +101,7 @@ def train_straight(stage: int, dtype: str, steps: int) -> dict:
 
 
 def train_and_save(stage: int, dtype: str, steps: int, directory: str) -> str:
-    model, engine, loader = _build(stage, dtype)
+    _model, engine, loader = _build(stage, dtype)
     _train(engine, loader, steps)
     path = engine.save_checkpoint(directory, client_state={"note": "half way", "steps": steps})
     engine.destroy()
@@ -176,7 +176,7 @@ def test_invalid_save_targets_raise_on_every_rank(pools, tmp_path) -> None:
 
 
 def save_then_die_in_second_save(directory: str) -> None:
-    model, engine, loader = _build(2)
+    _model, engine, loader = _build(2)
     _train(engine, loader, 2)
     engine.save_checkpoint(directory, tag="first")
     _train(engine, loader, 1)
@@ -338,7 +338,7 @@ def load_into_other_model(directory: str) -> str:
 
 
 def load_broken(directory: str) -> str:
-    model, engine, _ = _build(2)
+    _model, engine, _ = _build(2)
     with pytest.raises(zerodp.CheckpointError) as error:
         engine.load_checkpoint(directory)
     engine.destroy()
