@@ -29,6 +29,8 @@ from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.errors import LifecycleError
+from zerodp.monitor.eigenvalue import EigenvalueMonitor
+from zerodp.monitor.events import eigenvalue_event_name
 from zerodp.monitor.memory import ModelStateBytes, engine_model_state_bytes
 from zerodp.monitor.sinks import Monitor
 from zerodp.monitor.training import TrainingReporter
@@ -138,6 +140,13 @@ class ZeroEngine:
         self.reporter = TrainingReporter(
             Monitor.from_config(config.csv_monitor, config.tensorboard, rank=self.comm.rank)
         )
+        self.eigenvalue = (
+            EigenvalueMonitor(config.eigenvalue, module, self.comm)
+            if config.eigenvalue.enabled
+            else None
+        )
+        self.block_eigenvalue: dict[int, float] = {}  # the latest estimate, per block
+        self._eigenvalue_pending = False
         self.training_dataloader = None
         if training_data is not None:
             self.training_dataloader = ZeroDataLoader(
@@ -251,12 +260,29 @@ class ZeroEngine:
                 "(under torch.no_grad(), or from frozen parameters only)"
             )
         self.reporter.record_loss(loss)
+        eigen = self.eigenvalue
+        if eigen is not None and eigen.due(
+            self.global_steps, self.is_gradient_accumulation_boundary()
+        ):
+            # Double backward through the model before the backward frees its graph.
+            values = eigen.compute(loss, seed=self.global_steps)
+            self.block_eigenvalue = dict(enumerate(values))
+            self._eigenvalue_pending = True
         try:
             self.scale(loss).backward(retain_graph=retain_graph, **kwargs)
         except BaseException:
             self._abort_stale_backward()
             raise
         return loss
+
+    def _eigenvalue_events(self) -> list[tuple[str, float, int]]:
+        if not self._eigenvalue_pending:
+            return []
+        self._eigenvalue_pending = False
+        return [
+            (eigenvalue_event_name(block), value, self.global_samples)
+            for block, value in self.block_eigenvalue.items()
+        ]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient zerodp keeps (its buffers stay allocated for the next step)."""
@@ -280,7 +306,7 @@ class ZeroEngine:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self.reporter.on_boundary(self, [])
+            self.reporter.on_boundary(self, self._eigenvalue_events())
             self.zero_grad()
             if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
                 logger.info("step %d: lr %s", self.global_steps, self.get_lr())

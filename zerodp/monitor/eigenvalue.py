@@ -1,0 +1,102 @@
+"""The top Hessian eigenvalue of model blocks, by power iteration on Hessian-vector products.
+
+For each block (the whole model, or `layer_num` entries of the container
+named `layer_name`), the gradient of the loss with respect to the block's
+parameters is taken with `create_graph=True`; each iteration differentiates
+`grad . v` again (a double backward through the, possibly sharded, model),
+averages the Hessian-vector product over ranks (the Hessian of the global
+loss is the mean of the ranks' Hessians) and renormalises. Every rank draws
+the same starting vector, so every rank follows the same iteration.
+
+`stability` guards the normalisation against a zero vector; the iteration
+stops when the relative change of the estimate falls below `tol`.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerodp.comm import Comm
+from zerodp.errors import ConfigError
+
+
+class EigenvalueMonitor:
+    def __init__(self, config: Any, module: nn.Module, comm: Comm) -> None:
+        self.config = config
+        self.comm = comm
+        self.blocks = self._blocks(module, config.layer_name, config.layer_num)
+
+    @staticmethod
+    def _blocks(module: nn.Module, layer_name: str, layer_num: int) -> list[nn.Module]:
+        if not layer_name:
+            return [module]
+        try:
+            container = operator.attrgetter(layer_name)(module)
+        except AttributeError:
+            raise ConfigError(
+                f"config key 'eigenvalue.layer_name': the model has no attribute "
+                f"'{layer_name}'; name the container of the blocks (e.g. 'blocks')"
+            ) from None
+        count = layer_num or len(container)
+        if count > len(container):
+            raise ConfigError(
+                f"config key 'eigenvalue.layer_num': got {count}, but '{layer_name}' has "
+                f"{len(container)} entries"
+            )
+        return [container[i] for i in range(count)]
+
+    def due(self, global_steps: int, at_boundary: bool) -> bool:
+        resolution = self.config.gas_boundary_resolution
+        return at_boundary and (global_steps + 1) % resolution == 0
+
+    def compute(self, loss: torch.Tensor, seed: int) -> list[float]:
+        """One eigenvalue per block; the loss's graph is kept for the backward that follows."""
+        return [self._top_eigenvalue(loss, block, seed + i) for i, block in enumerate(self.blocks)]
+
+    def _top_eigenvalue(self, loss: torch.Tensor, block: nn.Module, seed: int) -> float:
+        params = [p for p in block.parameters() if p.requires_grad]
+        if not params:
+            return 0.0
+        grads = torch.autograd.grad(
+            loss, params, create_graph=True, retain_graph=True, allow_unused=True
+        )
+        pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        if not pairs:
+            return 0.0
+        generator = torch.Generator().manual_seed(seed)
+        vector = [torch.randn(p.shape, generator=generator).to(p.device, p.dtype) for p, _ in pairs]
+        vector = self._normalised(vector)
+        estimate = 0.0
+        for iteration in range(self.config.max_iter):
+            products = torch.autograd.grad(
+                [g for _, g in pairs],
+                [p for p, _ in pairs],
+                grad_outputs=vector,
+                retain_graph=True,
+                allow_unused=True,
+            )
+            hv = [
+                torch.zeros_like(v) if h is None else h.detach()
+                for h, v in zip(products, vector, strict=True)
+            ]
+            for tensor in hv:
+                self.comm.all_reduce(tensor)
+                tensor.div_(self.comm.world_size)
+            new_estimate = float(sum((h * v).sum() for h, v in zip(hv, vector, strict=True)))
+            vector = self._normalised(hv)
+            converged = (
+                abs(new_estimate - estimate) / (abs(new_estimate) + self.config.stability)
+                < self.config.tol
+            )
+            estimate = new_estimate
+            if iteration > 0 and converged:
+                break
+        return estimate
+
+    def _normalised(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        norm = torch.stack([t.float().square().sum() for t in tensors]).sum().sqrt()
+        return [t / (norm + self.config.stability) for t in tensors]
