@@ -95,6 +95,7 @@ def assemble(
             lifecycle,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
         )
     reducer = GradientReducer(
         layout.groups,

@@ -51,10 +51,12 @@ class ParamCoordinator:
         *,
         prefetch_numel: int,
         max_live_numel: int,
+        max_reuse_distance: int = 0,
     ) -> None:
         self.groups = groups
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
         self._by_param: dict[int, ShardedGroup] = {}
         self._by_flat: dict[int, ShardedGroup] = {}
         self._by_storage: dict[int, ShardedGroup] = {}
@@ -128,7 +130,7 @@ class ParamCoordinator:
         scope = self._scopes.pop()
         for group in scope.held:
             group.holds -= 1
-            self._release(group)
+            self._release_unless_reused(group, self.forward_trace)
 
     # -- backward ------------------------------------------------------------------
 
@@ -141,7 +143,7 @@ class ParamCoordinator:
 
     def post_backward(self, module: nn.Module) -> None:
         for group in self.groups_of_module(module):
-            self._release(group)
+            self._release_unless_reused(group, self.backward_trace)
 
     def on_grads_complete(self, flat: FlatGroup) -> None:
         group = self._by_flat.get(id(flat))
@@ -235,6 +237,24 @@ class ParamCoordinator:
             group.to_inflight()
             self.num_prefetched += 1
             budget -= group.numel
+
+    def _release_unless_reused(
+        self, group: ShardedGroup, trace: ExecutionTrace[ShardedGroup]
+    ) -> None:
+        """Keep a group the rest of this pass uses again within `max_reuse_distance`.
+
+        Tied weights (an embedding reused as the output layer) and modules called
+        twice would otherwise be gathered once per use; the distance counts the
+        elements other groups gather in between. The pass's end releases it.
+        """
+        distance = 0
+        for upcoming in trace.upcoming():
+            if upcoming is group:
+                return
+            distance += upcoming.numel
+            if distance > self.max_reuse_distance:
+                break
+        self._release(group)
 
     def _release(self, group: ShardedGroup) -> None:
         if group.release_if_unused():

@@ -62,6 +62,12 @@ class ExecutionTrace(Generic[T]):
             self._recorded = list(items)
             self.phase = TracePhase.REPLAYING
 
+    def upcoming(self) -> list[T]:
+        """What the recording expects next in this pass (nothing unless replaying)."""
+        if self.phase is not TracePhase.REPLAYING:
+            return []
+        return self._recorded[self._position :]
+
     def request(self, item: T) -> list[T]:
         """Note that `item` is requested now; return the items expected next, in order."""
         if self.phase is TracePhase.RECORDING:

@@ -27,6 +27,7 @@ class Stage3Runtime:
         *,
         prefetch_numel: int,
         max_live_numel: int,
+        max_reuse_distance: int,
     ) -> None:
         self.sharded = [
             ShardedGroup(flat, comm, persistent)
@@ -50,6 +51,7 @@ class Stage3Runtime:
             module_groups,
             prefetch_numel=prefetch_numel,
             max_live_numel=max_live_numel,
+            max_reuse_distance=max_reuse_distance,
         )
         self.saved_tensors = SavedTensorGatherer(self.coordinator)
         self._handles: list[RemovableHandle] = Stage3ModuleHooks(
