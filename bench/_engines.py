@@ -81,6 +81,14 @@ class TrainSettings:
     reduce_bucket_size: int
     persistence_threshold: int
     prefetch_bucket_size: int
+    dtype: str = "fp32"
+
+    @property
+    def bf16(self) -> bool:
+        return self.dtype == "bf16"
+
+    def precision_section(self) -> dict[str, Any]:
+        return {"bf16": {"enabled": True}} if self.bf16 else {}
 
     def zero_section(self, stage: int) -> dict[str, Any]:
         return {
@@ -96,6 +104,7 @@ class TrainSettings:
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.0}},
             "zero_optimization": self.zero_section(stage),
+            **self.precision_section(),
         }
 
     def deepspeed_config(self, stage: int, world_size: int) -> dict[str, Any]:
@@ -107,6 +116,7 @@ class TrainSettings:
             "train_batch_size": self.micro_batch * world_size,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
+            **self.precision_section(),
             "steps_per_print": 1 << 30,
         }
 
@@ -191,6 +201,7 @@ class TorchRunner(Runner):
         state_module: nn.Module,
         state_optimizer: torch.optim.Optimizer,
         sharded_params: bool = False,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(spec)
         self.model = model
@@ -199,9 +210,16 @@ class TorchRunner(Runner):
         self.state_module = state_module
         self.state_optimizer = state_optimizer
         self.sharded_params = sharded_params
+        self.autocast_dtype = autocast_dtype
 
     def forward_backward(self, batch: Batch) -> None:
-        self.model(*batch).backward()
+        if self.autocast_dtype is None:
+            self.model(*batch).backward()
+            return
+        # torch's own mixed precision for DDP: fp32 parameters, half-precision compute.
+        with torch.autocast(batch[0].device.type, dtype=self.autocast_dtype):
+            loss = self.model(*batch)
+        loss.backward()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -244,7 +262,15 @@ def build_ddp(
     counter = CollectiveCounter()
     ddp = _ddp(model, device, counter)
     optimizer = settings.adamw(ddp.parameters())
-    return TorchRunner(spec, ddp, optimizer, counter, state_module=model, state_optimizer=optimizer)
+    return TorchRunner(
+        spec,
+        ddp,
+        optimizer,
+        counter,
+        state_module=model,
+        state_optimizer=optimizer,
+        autocast_dtype=torch.bfloat16 if settings.bf16 else None,
+    )
 
 
 def build_zero_redundancy(
@@ -259,7 +285,13 @@ def build_zero_redundancy(
         ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=settings.lr, weight_decay=0.0
     )
     return TorchRunner(
-        spec, ddp, optimizer, counter, state_module=model, state_optimizer=optimizer.optim
+        spec,
+        ddp,
+        optimizer,
+        counter,
+        state_module=model,
+        state_optimizer=optimizer.optim,
+        autocast_dtype=torch.bfloat16 if settings.bf16 else None,
     )
 
 
@@ -268,14 +300,16 @@ def build_fsdp2(
 ) -> TorchRunner:
     """`fully_shard` on each transformer block, then on the root (which holds the embeddings)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if not isinstance(model, LossModel):
         raise TypeError("build_fsdp2 expects a LossModel")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if settings.bf16 else None
+    options: dict[str, Any] = {"mesh": mesh} | ({"mp_policy": policy} if policy else {})
     for block in model.gpt.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     optimizer = settings.adamw(model.parameters())
     counter = CollectiveCounter()
     return TorchRunner(
