@@ -65,8 +65,17 @@ _METADATA_METHODS: frozenset[Callable[..., Any]] = frozenset(
         torch.Tensor._is_view, torch.Tensor.data_ptr,
         # Autograd entry points only route gradients; they never read parameter data.
         torch.autograd.grad, torch.autograd.backward,
+        # New tensors shaped like the parameter: its data is never read.
+        torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+        torch.randn_like, torch.randint_like, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+        torch.Tensor.new_empty, torch.Tensor.new_full,
     }
 )  # fmt: skip
+
+# Functions that read only the shape or dtype of their second argument.
+_SHAPE_OF_OTHER: frozenset[Callable[..., Any]] = frozenset(
+    {torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.type_as}
+)
 
 
 def _is_metadata(func: Callable[..., Any]) -> bool:
@@ -104,9 +113,12 @@ class ZeroParameter(nn.Parameter):
         after: list[AfterUse] = []
         if not _is_metadata(func):
             found: list[nn.Parameter] = []
-            _visit_params(args, found)
-            if kwargs:
-                _visit_params(kwargs, found)
+            if func in _SHAPE_OF_OTHER:
+                _visit_params(args[:1], found)
+            else:
+                _visit_params(args, found)
+                if kwargs:
+                    _visit_params(kwargs, found)
             for param in found:
                 owner = _OWNERS.get(id(param))
                 if owner is not None:
