@@ -55,6 +55,12 @@ class GradientState(enum.Enum):
 
 
 class ZeroEngine:
+    """What `zerodp.initialize` returns: the model wrapped for ZeRO training.
+
+    Call it like the model (`engine(batch)`), then `engine.backward(loss)` (or
+    any other way of running backward) and `engine.step()` once per micro-batch.
+    """
+
     def __init__(
         self,
         *,
