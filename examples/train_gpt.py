@@ -32,17 +32,17 @@ if str(_HERE.parent) not in sys.path:
     sys.path.insert(0, str(_HERE.parent))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import zerodp  # noqa: E402
+from examples.demo_eval import eval_indices, evaluate, generate, mean_over_ranks  # noqa: E402
 from examples.demo_report import RunStats, plot_losses, summary_table  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from examples.stdlib_text import ByteWindows, load_corpus  # noqa: E402
+from examples.stdlib_text import ByteWindows, Corpus, load_corpus  # noqa: E402
 from zerodp.monitor import TRAIN_LOSS, csv_file_name, log_dir  # noqa: E402
 
-DEFAULT_STEPS = 600  # used only when the config has no scheduler to take the step count from
+DEFAULT_STEPS = 800  # used only when the config has no scheduler to take the step count from
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -53,8 +53,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--config", default=str(_HERE / "gpt_zero3.json"), help="zerodp JSON config")
     model = p.add_argument_group("model")
-    model.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
-    model.add_argument("--d-model", type=int, default=128, help="embedding width")
+    model.add_argument("--n-layer", type=int, default=3, help="transformer blocks")
+    model.add_argument("--d-model", type=int, default=96, help="embedding width")
     model.add_argument("--n-head", type=int, default=4, help="attention heads")
     model.add_argument("--seq-len", type=int, default=128, help="context length in bytes")
     train = p.add_argument_group("training")
@@ -73,14 +73,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-valid-bytes", type=int, default=1 << 20, help="bytes of validation text read"
     )
     evals = p.add_argument_group("evaluation and sampling")
-    evals.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    evals.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        help="steps between evaluations (0: only before the first and after the last step)",
+    )
     evals.add_argument(
         "--eval-windows", type=int, default=128, help="validation windows per evaluation"
     )
     evals.add_argument("--prompt", default="def ", help="prompt of the final sample")
     evals.add_argument("--sample-bytes", type=int, default=200, help="bytes to generate")
     evals.add_argument(
-        "--temperature", type=float, default=0.8, help="sampling temperature; 0 is greedy"
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature; 0 is greedy (a model this small collapses into runs of "
+        "spaces below ~0.8)",
     )
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument("--save-dir", default="checkpoints/gpt_zero3", help="checkpoint folder")
@@ -120,85 +129,31 @@ def rank0_print(engine: zerodp.ZeroEngine, message: str) -> None:
         tqdm.write(message)
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
-    """The mean of a scalar across ranks: each rank's loss is over its own batch only."""
-    total = value.detach().float().reshape(1).clone()
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
-
-
-def eval_indices(valid: ByteWindows, count: int, rank: int, world_size: int) -> list[int]:
-    """This rank's share of a fixed, evenly spread subset of the validation windows.
-
-    Every rank gets the same number of windows: at stage 3 each forward is a
-    collective, so unequal shares would leave one rank waiting forever.
-    """
-    count = max(world_size, min(count, len(valid)) // world_size * world_size)
-    spread = [i * len(valid) // count for i in range(count)]
-    return spread[rank::world_size]
-
-
-@torch.no_grad()
-def evaluate(engine: zerodp.ZeroEngine, valid: ByteWindows, indices: list[int]) -> float:
-    """Mean validation loss over every rank's windows (eval mode, no autograd)."""
-    engine.eval()
-    batch_size = engine.train_micro_batch_size_per_gpu()
-    loss_sum = torch.zeros((), device=engine.device)
-    for start in range(0, len(indices), batch_size):
-        chunk = [valid[i] for i in indices[start : start + batch_size]]
-        x = torch.stack([item[0] for item in chunk]).to(engine.device)
-        y = torch.stack([item[1] for item in chunk]).to(engine.device)
-        logits = engine(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss_sum += loss.float() * len(chunk)
-    count = torch.tensor(float(len(indices)), device=engine.device)
-    sums = torch.stack([loss_sum, count])
-    dist.all_reduce(sums)
-    engine.train()
-    return (sums[0] / sums[1]).item()
-
-
-@torch.no_grad()
-def generate(
-    engine: zerodp.ZeroEngine,
-    prompt: bytes,
-    length: int,
-    seq_len: int,
-    temperature: float,
-    seed: int,
-) -> bytes:
-    """Continue `prompt` byte by byte; every rank runs the same loop (stage 3 forwards gather)."""
-    engine.eval()
-    generator = torch.Generator().manual_seed(seed)
-    tokens = list(prompt) or [ord("\n")]
-    for _ in range(length):
-        context = torch.tensor([tokens[-seq_len:]], device=engine.device)
-        logits = engine(context)[0, -1].float().cpu()
-        if temperature <= 0:
-            token = int(logits.argmax())
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
-        tokens.append(token)
-    engine.train()
-    return bytes(tokens)
-
-
-def new_history() -> dict[str, Any]:
+def new_history(total_steps: int) -> dict[str, Any]:
     """What the summary and the plot need across a resume; saved as the checkpoint's client state.
 
     Plain lists, ints and floats only, so any checkpoint format can hold it.
     """
-    return {"step": 0, "valid": [], "first_train_loss": None, "recent_train": []}
+    return {
+        "step": 0,
+        "valid": [],
+        "first_train_loss": None,
+        "recent_train": [],
+        "total_steps": total_steps,
+    }
 
 
 def record_train_loss(history: dict[str, Any], loss: float) -> None:
+    """Keep the first loss and a short tail: one step's loss is too noisy to report alone."""
     if history["first_train_loss"] is None:
         history["first_train_loss"] = loss
     history["recent_train"] = [*history["recent_train"], loss][-10:]
 
 
-def run_eval(engine: zerodp.ZeroEngine, valid: ByteWindows, indices: list[int], hist: dict) -> None:
+def run_eval(
+    engine: zerodp.ZeroEngine, valid: ByteWindows, indices: list[int], hist: dict[str, Any]
+) -> None:
+    """Evaluate (a collective: every rank calls it), record the point and show it on rank 0."""
     loss = evaluate(engine, valid, indices)
     hist["valid"].append([hist["step"], loss])
     rank0_print(engine, f"step {hist['step']:>5}: validation loss {loss:.4f}")
@@ -208,28 +163,43 @@ def save(engine: zerodp.ZeroEngine, args: argparse.Namespace, history: dict[str,
     """Save a checkpoint on every rank (each writes its own shards); returns where, for the log."""
     if args.no_save:
         return "not saved (--no-save)"
-    engine.save_checkpoint(
-        args.save_dir, client_state={"step": history["step"], "history": history}
-    )
-    return f"{args.save_dir} (step {history['step']})"
+    state = {"step": history["step"], "history": history}
+    return engine.save_checkpoint(args.save_dir, client_state=state)
 
 
-def resume(engine: zerodp.ZeroEngine, args: argparse.Namespace) -> dict[str, Any]:
-    """Load the latest checkpoint; the engine restores model, optimizer, scheduler and loader."""
+def resume(engine: zerodp.ZeroEngine, args: argparse.Namespace, steps: int) -> dict[str, Any]:
+    """Load the latest checkpoint; the engine restores model, optimizer, scheduler and loader.
+
+    A missing or unreadable checkpoint is an error on every rank alike (the
+    engine agrees on it before any collective), so nothing is caught here.
+    """
     path, client_state = engine.load_checkpoint(args.save_dir)
-    if path is None:
-        rank0_print(engine, f"no checkpoint under {args.save_dir}; starting from step 0")
-        return new_history()
-    history = dict(client_state.get("history") or new_history())
+    history = dict(client_state.get("history") or new_history(steps))
     history["step"] = int(client_state["step"])
     rank0_print(engine, f"resumed from {path} at step {history['step']}")
+    saved_steps = history.get("total_steps", steps)
+    if saved_steps != steps:
+        rank0_print(
+            engine,
+            f"note: the learning-rate schedule restored from the checkpoint was fitted to "
+            f"{saved_steps} steps, not --steps {steps}",
+        )
     return history
+
+
+def train_micro_batch(engine: zerodp.ZeroEngine, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward and `engine.step()` (which steps the optimizer only at a boundary)."""
+    logits = engine(x.to(engine.device))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(engine.device).reshape(-1))
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
 
 
 def train(
     engine: zerodp.ZeroEngine,
     loader: Any,
-    corpus: Any,
+    corpus: Corpus,
     args: argparse.Namespace,
     steps: int,
     history: dict[str, Any],
@@ -255,13 +225,7 @@ def train(
         for x, y in loader:
             tic = time.perf_counter()
             boundary = engine.is_gradient_accumulation_boundary()
-            logits = engine(x.to(engine.device))
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), y.to(engine.device).reshape(-1)
-            )
-            engine.backward(loss)
-            engine.step()
-            window.append(loss.detach())
+            window.append(train_micro_batch(engine, x, y))
             if boundary:
                 loss_value = mean_over_ranks(torch.stack(window).mean())
                 window = []
@@ -276,7 +240,7 @@ def train(
             )
             bar.update(1)
             step = history["step"]
-            if step % args.eval_every == 0 or step == steps:
+            if (args.eval_every and step % args.eval_every == 0) or step == steps:
                 run_eval(engine, corpus.valid, indices, history)
             if args.save_every and step % args.save_every == 0 and step < steps:
                 rank0_print(engine, f"checkpoint: {save(engine, args, history)}")
@@ -312,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"zerodp: stage {engine.zero_stage}, world size {engine.world_size}, device "
         f"{engine.device}, {engine.train_batch_size()} sequences per step, {steps} steps",
     )
-    history = resume(engine, args) if args.resume else new_history()
+    history = resume(engine, args, steps) if args.resume else new_history(steps)
     train_s, tokens = train(engine, loader, corpus, args, steps, history)
     checkpoint = save(engine, args, history)
 

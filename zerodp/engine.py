@@ -144,7 +144,9 @@ class ZeroEngine:
         )
         self.lr_scheduler = self._make_scheduler(lr_scheduler, inner)
         self.reporter = TrainingReporter(
-            Monitor.from_config(config.csv_monitor, config.tensorboard, rank=self.comm.rank)
+            Monitor.from_config(config.csv_monitor, config.tensorboard, rank=self.comm.rank),
+            active=config.csv_monitor.enabled or config.tensorboard.enabled,
+            comm=self.comm,
         )
         self.eigenvalue = (
             EigenvalueMonitor(config.eigenvalue, module, self.comm)
@@ -404,8 +406,12 @@ class ZeroEngine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
-    ) -> tuple[str, Any]:
-        """Load a checkpoint saved at any stage and world size; returns (path, client_state)."""
+    ) -> tuple[str | None, Any]:
+        """Load a checkpoint saved at any stage and world size; returns (path, client_state).
+
+        With no tag and no `latest` file in `load_dir` (nothing saved yet), nothing is
+        loaded and (None, None) is returned, as in DeepSpeed.
+        """
         return load_checkpoint(
             self,
             load_dir,

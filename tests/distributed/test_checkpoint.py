@@ -379,3 +379,16 @@ def test_checkpoint_json_holds_plain_data_only(pools, tmp_path) -> None:
     shared = json.loads((checkpoint / "zerodp_state.json").read_text())
     assert shared["zero_stage"] == 3 and shared["world_size"] == 2
     assert shared["client_state"] == {"note": "half way", "steps": 2}
+
+
+def load_from_empty(directory: str) -> tuple[object, object]:
+    _, engine, _ = _build(2)
+    result = engine.load_checkpoint(directory)
+    engine.destroy()
+    return result
+
+
+def test_loading_when_nothing_was_saved_returns_none(pools, tmp_path) -> None:
+    """As in DeepSpeed: a run that resumes before its first save starts afresh."""
+    for directory in (tmp_path, tmp_path / "not_created_yet"):
+        assert pools(2).run(load_from_empty, str(directory)) == [(None, None), (None, None)]

@@ -10,6 +10,7 @@ is JSON (`zerodp.checkpoint.plain`). Saving is atomic (`zerodp.checkpoint.paths`
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +21,20 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zerodp.backward import autograd_api
 from zerodp.checkpoint import integrity, plain, tensors
-from zerodp.checkpoint.paths import check_load_source, check_save_target, commit, new_temp_name
+from zerodp.checkpoint.paths import (
+    check_load_source,
+    check_save_target,
+    commit,
+    has_latest,
+    new_temp_name,
+)
 from zerodp.checkpoint.tensors import quiet_sharded_tensor_warnings
 from zerodp.errors import CheckpointError, LifecycleError
 
 if TYPE_CHECKING:
     from zerodp.engine import ZeroEngine
+
+logger = logging.getLogger("zerodp")
 
 _USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, LifecycleError)
 
@@ -107,8 +116,13 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
-) -> tuple[str, Any]:
+) -> tuple[str | None, Any]:
     comm = engine.comm
+    if tag is None and not _any_latest(engine, load_dir):
+        # As in DeepSpeed: nothing saved yet is not an error; the caller starts afresh.
+        if comm.rank == 0:
+            logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
+        return None, None
     error: BaseException | None = None
     path = Path(".")
     shared: dict[str, Any] = {}
@@ -177,6 +191,25 @@ def load_checkpoint(
         if rank_json is not None:
             plain.restore_rank_state(rank_json)
     return str(path), plain.decode_client_state(shared.get("client_state"), client)
+
+
+def _any_latest(engine: ZeroEngine, load_dir: Any) -> bool:
+    """Whether a newest checkpoint exists, agreed by all ranks (all must see the same files)."""
+    error: BaseException | None = None
+    found = False
+    try:
+        found = has_latest(load_dir)
+    except (ValueError, TypeError) as caught:
+        error = caught
+    engine.comm.raise_if_any_failed(error)
+    views = engine.comm.all_gather_object(found)
+    if any(views) and not all(views):
+        raise CheckpointError(
+            f"ranks disagree on whether '{load_dir}' holds a checkpoint (ranks "
+            f"{[r for r, v in enumerate(views) if not v]} see none): put it on storage every "
+            "rank can read"
+        )
+    return found
 
 
 def _model_destinations(engine: ZeroEngine, saved: dict[str, Any]) -> dict[str, Any]:

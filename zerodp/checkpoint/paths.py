@@ -51,6 +51,12 @@ def check_save_target(save_dir: object, tag: object) -> Path:
     return directory
 
 
+def has_latest(load_dir: object) -> bool:
+    """Whether `load_dir` names a newest checkpoint (DeepSpeed loads nothing when it does not)."""
+    directory = _as_directory(load_dir, "load_dir")
+    return (directory / LATEST).is_file()
+
+
 def check_load_source(load_dir: object, tag: object) -> tuple[Path, str]:
     """The checkpoint directory to load and its tag (read from `latest` when tag is None)."""
     directory = _as_directory(load_dir, "load_dir")

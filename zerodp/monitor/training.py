@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zerodp.comm import Comm
 from zerodp.monitor.events import (
     GRAD_NORM,
     LEARNING_RATE,
@@ -26,15 +27,24 @@ if TYPE_CHECKING:
 
 
 class TrainingReporter:
-    def __init__(self, monitor: Monitor) -> None:
+    """Collects the boundary's values on every rank; rank 0's monitor writes them.
+
+    `active` is the same on every rank (a monitor is configured), because the
+    train loss is averaged over ranks with a collective every rank must join;
+    only rank 0's monitor has sinks.
+    """
+
+    def __init__(self, monitor: Monitor, active: bool, comm: Comm) -> None:
         self.monitor = monitor
+        self.active = active
+        self.comm = comm
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._window_start = time.perf_counter()
 
     @property
     def enabled(self) -> bool:
-        return self.monitor.enabled
+        return self.active
 
     def record_loss(self, loss: torch.Tensor) -> None:
         if not self.enabled:
@@ -47,23 +57,30 @@ class TrainingReporter:
         now = time.perf_counter()
         elapsed = now - self._window_start
         self._window_start = now
-        if not self.enabled:
+        if not self.active:
+            return
+        mean_loss = None
+        if self._loss_sum is not None:
+            mean = self._loss_sum.reshape(1) / self._loss_count
+            self.comm.all_reduce(mean)  # every rank's loss, averaged: what the step optimised
+            mean_loss = float(mean.item()) / self.comm.world_size
+        self._loss_sum = None
+        self._loss_count = 0
+        if not self.monitor.enabled:
             return
         step = engine.global_samples
         events: list[tuple[str, float, int]] = [
             (LEARNING_RATE, engine.get_lr()[0], step),
             (LOSS_SCALE, engine.loss_scale, step),
         ]
-        if self._loss_sum is not None:
-            events.append((TRAIN_LOSS, float(self._loss_sum.item()) / self._loss_count, step))
+        if mean_loss is not None:
+            events.append((TRAIN_LOSS, mean_loss, step))
         norm = engine.get_global_grad_norm()
         if norm is not None:
             events.append((GRAD_NORM, norm, step))
         if elapsed > 0:
             events.append((SAMPLES_PER_SEC, engine.train_batch_size() / elapsed, step))
         self.monitor.write_events(events + extra)
-        self._loss_sum = None
-        self._loss_count = 0
 
     def close(self) -> None:
         self.monitor.close()
