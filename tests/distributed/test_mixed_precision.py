@@ -44,11 +44,17 @@ def _adamw(params: object) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)  # type: ignore[arg-type]
 
 
-def mixed_parity(stage: int, dtype: str, gas: int, steps: int) -> None:
+def mixed_parity(stage: int, dtype: str, gas: int, steps: int, init: bool = False) -> None:
     torch.manual_seed(0)
-    model = TinyNet()
+    reference_model = TinyNet()
+    if init:  # built already sharded, in fp32; the engine casts it
+        torch.manual_seed(0)
+        with zerodp.zero.Init(config=_config(stage, dtype, gas)):
+            model = TinyNet()
+    else:
+        model = copy.deepcopy(reference_model)
     reference = ReferenceDP(
-        copy.deepcopy(model),
+        reference_model,
         _adamw,
         dtype=DTYPES[dtype],
         grad_dtype=torch.float32 if gas > 1 else DTYPES[dtype],
@@ -86,6 +92,11 @@ def mixed_parity(stage: int, dtype: str, gas: int, steps: int) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_ten_steps_match_the_hand_written_recipe(pools, stage: int, dtype: str) -> None:
     pools(2).run(mixed_parity, stage, dtype, 1, 10)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_a_model_built_under_init_trains_like_the_recipe(pools, dtype: str) -> None:
+    pools(2).run(mixed_parity, 3, dtype, 1, 3, True)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
