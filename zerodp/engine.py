@@ -298,6 +298,9 @@ class ZeroEngine:
         if autograd_api.in_backward():
             raise LifecycleError("zero_grad() was called inside a backward; call it outside")
         self.reducer.zero()
+        if self.stage3 is not None:
+            # Groups a forward kept gathered for its backward go too (it may never come).
+            self.stage3.coordinator.release_all()
         self.gradient_state = GradientState.CLEAN
 
     def step(self) -> None:

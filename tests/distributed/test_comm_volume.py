@@ -5,6 +5,10 @@ stage 0 all-reduces Psi; stages 1 and 2 reduce-scatter Psi and all-gather Psi; s
 all-gathers its sharded parameters twice (forward, backward), reduce-scatters Psi, and
 all-gathers its persistent (small, always gathered) parameters once after the step.
 A 4-byte all-reduce of the gradient norm's square is the only extra traffic.
+
+With prefetching on, stage 3 keeps the groups its backward starts with (up to the prefetch
+window) gathered from the end of the forward, instead of releasing and gathering them again,
+so it moves less than twice its sharded parameters.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from examples.gpt import GPT, GPTConfig
 from zerodp.comm import CollectiveKind
 
 
-def step_bytes(stage: int) -> dict[str, int]:
+def step_bytes(stage: int, prefetch: int = 0) -> dict[str, int]:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
     model = GPT(cfg)  # input and output embeddings tied: one group, used twice per pass
@@ -29,6 +33,7 @@ def step_bytes(stage: int) -> dict[str, int]:
             "stage": stage,
             "reduce_bucket_size": 4096,
             "stage3_param_persistence_threshold": 100,
+            "stage3_prefetch_bucket_size": prefetch,
         },
     }
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
@@ -73,3 +78,12 @@ def test_bytes_per_step_follow_the_zero_paper(pools, stage: int) -> None:
         assert m["reduce_scatter"] == psi
         assert m["all_gather"] == 2 * m["sharded"] + m["resident"], m
         assert m["sharded"] > 0.9 * psi  # most of the model is sharded here
+
+
+def test_stage3_keeps_what_its_backward_starts_with(pools) -> None:
+    exact = pools(2).run(step_bytes, 3, 0)[0]
+    window = 4096  # elements: the tied embedding (64 x 32 = 2048) and a little more
+    kept = pools(2).run(step_bytes, 3, window)[0]
+    assert kept["reduce_scatter"] == exact["reduce_scatter"]
+    saved = exact["all_gather"] - kept["all_gather"]
+    assert 2048 * 4 <= saved <= (window + 2048) * 4, (exact, kept)

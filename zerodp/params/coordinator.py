@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from zerodp.backward import autograd_api
@@ -74,6 +75,7 @@ class ParamCoordinator:
         self.num_prefetched = 0  # groups gathered ahead of their use
         self.forward_trace: ExecutionTrace[ShardedGroup] = ExecutionTrace()
         self.backward_trace: ExecutionTrace[ShardedGroup] = ExecutionTrace()
+        self._backward_head: set[int] = set()  # groups the backward uses first
 
     # -- queries -------------------------------------------------------------------
 
@@ -102,14 +104,42 @@ class ParamCoordinator:
     # -- forward -------------------------------------------------------------------
 
     def begin_forward(self) -> None:
+        self._release_unheld()  # what a forward kept for a backward that never came
         self.forward_trace.begin_pass()
+        self._backward_head = self._first_backward_groups()
 
-    def end_forward(self) -> None:
+    def end_forward(self, backward_follows: bool) -> None:
+        """Release what the forward gathered, except what its backward would prefetch first.
+
+        The groups a forward ends with (an output layer, an embedding tied to it) are the
+        ones its backward starts with: when a backward can follow (grad mode on), groups
+        within the backward's first `stage3_prefetch_bucket_size` elements stay gathered
+        instead of being released and gathered straight back. `release_all()` (at
+        `step()`, the next forward, or the backward's end) lets them go.
+        """
         self.forward_trace.end_pass()
         # Until a backward has been recorded, expect it to run the forward in reverse, so
         # that the first backward prefetches like every later one.
         self.backward_trace.seed(self.forward_trace.recorded[::-1])
+        keep = self._backward_head if backward_follows else set()
+        for group in self.groups:
+            if id(group) not in keep or self.live_numel > self.max_live_numel:
+                self._release(group)
+
+    def release_all(self) -> None:
+        """Release every group nobody holds (before an optimizer step, for instance)."""
         self._release_unheld()
+
+    def _first_backward_groups(self) -> set[int]:
+        kept: set[int] = set()
+        budget = self.prefetch_numel
+        for group in self.backward_trace.recorded:
+            if budget <= 0:
+                break
+            if id(group) not in kept:
+                kept.add(id(group))
+                budget -= group.numel
+        return kept
 
     def pre_forward(self, module: nn.Module) -> None:
         scope = _Scope(module, in_backward=autograd_api.in_backward())
@@ -247,13 +277,24 @@ class ParamCoordinator:
         twice would otherwise be gathered once per use; the distance counts the
         elements other groups gather in between. The pass's end releases it.
         """
+        if self.live_numel > self.max_live_numel:
+            self._release(group)  # over stage3_max_live_parameters: keep nothing extra
+            return
         distance = 0
-        for upcoming in trace.upcoming():
-            if upcoming is group:
+        upcoming = trace.upcoming()
+        for later in upcoming:
+            if later is group:
                 return
-            distance += upcoming.numel
+            distance += later.numel
             if distance > self.max_reuse_distance:
                 break
+        if (
+            trace is self.forward_trace
+            and torch.is_grad_enabled()
+            and id(group) in self._backward_head
+            and sum(g.numel for g in upcoming) <= self.prefetch_numel
+        ):
+            return  # the forward is ending and its backward starts with this group
         self._release(group)
 
     def _release(self, group: ShardedGroup) -> None:

@@ -81,7 +81,7 @@ class Stage3ModuleHooks:
                     outputs, lambda grad: self._pre_backward(module), mode="any"
                 )
         if module is self.root and not autograd_api.in_backward():
-            self.coordinator.end_forward()
+            self.coordinator.end_forward(backward_follows=torch.is_grad_enabled())
             if self._root_pushed and self._root_pushed.pop():
                 self.saved_tensors.pop()
 

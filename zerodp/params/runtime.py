@@ -68,7 +68,12 @@ class Stage3Runtime:
                     zero_parameter.adopt(param, self.coordinator)
 
     def resident_groups(self) -> list[FlatGroup]:
-        """Trainable groups whose full buffer is present now (refreshed after a step)."""
+        """Trainable groups whose full buffer is present now (refreshed after a step).
+
+        Groups a forward kept for its backward are released first: after a step only
+        persistent groups (and groups someone holds) are gathered.
+        """
+        self.coordinator.release_all()
         resident = []
         for group in self.sharded:
             if not group.flat.trainable:
