@@ -217,8 +217,9 @@ class ParamCoordinator:
         if autograd_api.in_backward():
             self._gather(group, trace=None)
             return
+        position = next(i for i, p in enumerate(group.flat.params) if p is param)
         raise ParamStateError(
-            f"parameter '{group.flat.names[group.flat.params.index(param)]}' is sharded by "
+            f"parameter '{group.flat.names[position]}' is sharded by "
             "ZeRO stage 3 and is not gathered outside the model's forward and backward; "
             "read or modify it inside `with zerodp.zero.GatheredParameters([param]):` "
             "(every rank must enter it), or use zerodp.utils.safe_get_full_fp32_param"
