@@ -117,7 +117,7 @@ def misuse_errors(stage: int) -> list[str]:
         with pytest.raises(zerodp.ParamStateError, match="GatheredParameters") as error:
             weight.sum()  # a sharded parameter read outside forward
         messages.append(str(error.value))
-        with pytest.raises(zerodp.ParamStateError, match="'fc1.bias'"):
+        with pytest.raises(zerodp.ParamStateError, match=r"'fc1\.bias'"):
             model.fc1.bias * 2  # the second parameter of its group
         with zerodp.zero.GatheredParameters([weight]):
             assert torch.isfinite(weight.sum())
