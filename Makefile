@@ -24,6 +24,7 @@ lint: setup
 	$(BIN)/ruff check zerodp tests bench examples tools
 	$(BIN)/ruff format --check zerodp tests bench examples tools
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python tools/check_module_size.py zerodp
 
 test: lint

@@ -1,7 +1,7 @@
 """Fail when a module of the package grows past the size we split at.
 
-Small modules with one responsibility are a design rule of zerodp (see the
-style notes); this check keeps the rule from eroding one commit at a time.
+Small modules with one responsibility are a design rule of zerodp (see
+docs/style.md); this check keeps the rule from eroding one commit at a time.
 """
 
 from __future__ import annotations

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from zerodp import utils, zero
+from zerodp.backward.step_gate import GradientState
+from zerodp.comm import current_world_size, ensure_process_group, is_initialized
 from zerodp.config import ZeroDPConfig, load_config
-from zerodp.engine import GradientState, ZeroEngine
+from zerodp.engine import ZeroEngine
 from zerodp.errors import (
+    AgreedError,
     CheckpointError,
+    CheckpointPathError,
+    CheckpointStorageError,
     ConfigError,
     LifecycleError,
+    LossScaleError,
     ParamStateError,
     ZeroDPError,
 )
@@ -19,10 +26,14 @@ from zerodp.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreedError",
     "CheckpointError",
+    "CheckpointPathError",
+    "CheckpointStorageError",
     "ConfigError",
     "GradientState",
     "LifecycleError",
+    "LossScaleError",
     "ParamStateError",
     "ZeroDPConfig",
     "ZeroDPError",
@@ -61,16 +72,13 @@ def initialize(
         config = getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
     if config is None:
         raise ValueError("zerodp.initialize needs config= (a dict or a path to a JSON file)")
-    from zerodp.comm import ensure_process_group
-    from zerodp.comm.group import is_initialized
-
-    world_size = _world_size_hint() if not is_initialized() else None
-    if world_size is None:
-        ensure_process_group()
-        import torch.distributed as dist
-
-        world_size = dist.get_world_size()
+    if is_initialized():
+        world_size = current_world_size()
+    else:
+        # Validate before setting up the process group: torchrun announced the size.
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     resolved = load_config(config, world_size=world_size)
+    ensure_process_group()
     engine = ZeroEngine(
         module=model,
         config=resolved,
@@ -81,10 +89,3 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _world_size_hint() -> int:
-    """The world size torchrun announced, read before any process group exists."""
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -14,52 +14,42 @@ from torch import nn
 
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
-from zerodp.params.runtime import Stage3Runtime
-from zerodp.partition import FlatGroup
-from zerodp.precision.master import MasterWeights
+from zerodp.group import GroupIndex, GroupState
 
 
 class FullStateAccessor:
+    """Answers "what is the full X of this parameter?" from the group records."""
+
     def __init__(
         self,
         *,
         comm: Comm,
+        groups: GroupIndex,
         reducer: GradientReducer,
-        groups: list[FlatGroup],
-        shard_params: dict[int, nn.Parameter],  # id(FlatGroup) -> the optimizer's parameter
         optimizer: torch.optim.Optimizer,
-        owns_full_group: bool,
-        stage3: Stage3Runtime | None,
-        masters: MasterWeights | None = None,
         loss_scale: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.comm = comm
+        self.groups = groups
         self.reducer = reducer
-        self.shard_params = shard_params
         self.optimizer = optimizer
-        self.owns_full_group = owns_full_group
-        self.stage3 = stage3
-        self.masters = masters
         self.loss_scale = loss_scale
-        self._where: dict[int, tuple[FlatGroup, int]] = {
-            id(p): (g, i) for g in groups for i, p in enumerate(g.params)
-        }
 
     def full_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The averaged gradient; under fp16 loss scaling, unscaled and in fp32."""
-        if not self.reducer.manages(param):
+        found = self.groups.lookup(param)
+        if found is None or found[0].grads is None:
             return None if param.grad is None else param.grad.detach().clone()
-        grad = self.reducer.full_grad(param)
+        grad = self.reducer.full_grad(*found)
         scale = self.loss_scale()
         return grad if scale == 1.0 else grad.float() / scale
 
     def full_fp32_param(self, param: nn.Parameter) -> torch.Tensor:
-        where = self._where.get(id(param))
-        if where is None:
+        found = self.groups.lookup(param)
+        if found is None:
             return param.detach().float().clone()
-        group, position = where
-        owned = self._owned_value(group)
-        return self._assemble(group, position, owned).float()
+        state, position = found
+        return self._assemble(state, position, state.value_of_owned()).float()
 
     def set_full_fp32_param(self, param: nn.Parameter, value: torch.Tensor) -> None:
         """Every rank passes the same full value; no communication is needed."""
@@ -68,60 +58,58 @@ class FullStateAccessor:
                 f"safe_set_full_fp32_param: value has shape {tuple(value.shape)}, the "
                 f"parameter has {tuple(param.shape)}"
             )
-        where = self._where.get(id(param))
+        found = self.groups.lookup(param)
         with torch.no_grad():
-            if where is None:
+            if found is None:
                 param.copy_(value)
                 return
-            group, position = where
-            start, end = group.slot_of(position)
-            flat_value = value.detach().reshape(-1).to(group.device)
-            if group.full_is_allocated:
-                group.full[start:end].copy_(flat_value)
-            shard_start, shard_end = group.shard_range
-            lo, hi = max(start, shard_start), min(end, shard_end)
-            if group.separate_shard and lo < hi:
-                group.shard[lo - shard_start : hi - shard_start].copy_(
-                    flat_value[lo - start : hi - start]
-                )
-            master = self.masters.master_of(group) if self.masters is not None else None
-            if master is not None:
-                # The master holds the owned range in fp32: the whole group at stage 0.
-                if master.numel() == group.padded_numel:
-                    master[start:end].copy_(value.detach().reshape(-1).to(master))
-                elif lo < hi:
-                    master[lo - shard_start : hi - shard_start].copy_(
-                        value.detach().reshape(-1)[lo - start : hi - start].to(master)
-                    )
+            state, position = found
+            flat = state.flat
+            start, end = flat.slot_of(position)
+            flat_value = value.detach().reshape(-1)
+            if flat.full_is_allocated:
+                flat.full[start:end].copy_(flat_value.to(flat.full))
+            if not flat.persistent:
+                self._write_owned_part(flat.shard, flat.shard_range, start, end, flat_value)
+            copy = state.optim.copy if state.optim is not None else None
+            if copy is not None:
+                self._write_owned_part(copy, flat.owned_range, start, end, flat_value)
 
     def full_optimizer_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        where = self._where.get(id(param))
-        if where is None:
+        found = self.groups.lookup(param)
+        if found is None or found[0].optim is None:
             return None
-        group, position = where
-        shard = self.shard_params.get(id(group))
-        if shard is None:
-            return None
-        state = self.optimizer.state.get(shard, {}).get(key)
-        if not isinstance(state, torch.Tensor) or state.numel() != shard.numel():
-            return state
-        return self._assemble(group, position, state)
+        state, position = found
+        owned = state.optim.param  # type: ignore[union-attr]
+        value = self.optimizer.state.get(owned, {}).get(key)
+        if not isinstance(value, torch.Tensor) or value.numel() != owned.numel():
+            return value
+        return self._assemble(state, position, value)
 
     # -- helpers -------------------------------------------------------------------
 
-    def _owned_value(self, group: FlatGroup) -> torch.Tensor:
-        shard = self.shard_params.get(id(group))
-        if shard is not None:
-            return shard.detach()
-        if self.stage3 is not None:  # a frozen stage 3 group: no optimizer parameter
-            return group.shard
-        return group.full
+    @staticmethod
+    def _write_owned_part(
+        target: torch.Tensor,
+        target_range: tuple[int, int],
+        start: int,
+        end: int,
+        flat_value: torch.Tensor,
+    ) -> None:
+        """Write the part of [start, end) that `target` (covering `target_range`) holds."""
+        lo, hi = max(start, target_range[0]), min(end, target_range[1])
+        if lo < hi:
+            target[lo - target_range[0] : hi - target_range[0]].copy_(
+                flat_value[lo - start : hi - start].to(target)
+            )
 
-    def _assemble(self, group: FlatGroup, position: int, owned: torch.Tensor) -> torch.Tensor:
-        start, end = group.slot_of(position)
-        shape = group.layout.slots[position].shape
-        if owned.numel() == group.padded_numel:
+    def _assemble(self, state: GroupState, position: int, owned: torch.Tensor) -> torch.Tensor:
+        """One parameter's full value from a tensor covering this rank's owned range."""
+        flat = state.flat
+        start, end = flat.slot_of(position)
+        shape = flat.layout.slots[position].shape
+        if owned.numel() == flat.padded_numel:
             return owned[start:end].clone().view(shape)
-        full = torch.empty(group.padded_numel, dtype=owned.dtype, device=owned.device)
+        full = torch.empty(flat.padded_numel, dtype=owned.dtype, device=owned.device)
         self.comm.all_gather(full, owned)
         return full[start:end].clone().view(shape)

@@ -1,54 +1,90 @@
-"""Assembling a model's training state: layout, precision, stage 3, reducer, optimizer shards.
+"""Building an engine's parts, in the order they depend on each other.
 
-`assemble` runs the set-up steps in the order they depend on each other:
+`assemble` does all of the wiring `zerodp.initialize` needs:
 1. parameters built sharded by `zero.Init` are adopted (or made whole again);
 2. every other parameter is laid out in flat groups (fp32 as built);
 3. parameters and buffers are taken from rank 0, as DDP does;
-4. under mixed precision, the fp32 master of each rank's owned range is kept
-   and the model is cast to half precision;
-5. stage 3 frees the full buffers and starts gathering on use;
-6. the gradient reducer, and the optimizer's parameters (the owned ranges,
-   or their masters), are created.
+4. under mixed precision, the optimizer copy of each rank's owned range is
+   kept in fp32 (the master weights), then the model is cast;
+5. each group gets its record (`GroupState`): kept gradient and optimizer
+   parameter when trainable, gather state when sharded (stage 3 frees the
+   full buffers here);
+6. the reducer, the parameter runtime (stage 3, or its null object), the
+   step gate and the autograd hooks connect them;
+7. the torch optimizer on the optimizer parameters, zerodp's optimizer
+   around it, the LR scheduler, the monitors and the data loader.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from zerodp.accessors import FullStateAccessor
+from zerodp.backward.hooks import install_parameter_hooks, install_root_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle
-from zerodp.backward.reducer import GradientReducer, GroupGradients
+from zerodp.backward.reducer import GradientReducer, GradStorage
+from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
 from zerodp.config import ZeroDPConfig
-from zerodp.optim.factory import build_optimizer, shard_parameter
-from zerodp.optim.param_groups import ParamGroupSpec
-from zerodp.optim.strategy import StageStrategy
+from zerodp.data import ZeroDataLoader
+from zerodp.group import GatherState, GroupIndex, GroupState, KeptGradient, OptimizerParam
+from zerodp.monitor.eigenvalue import EigenvalueMonitor
+from zerodp.monitor.sinks import Monitor
+from zerodp.monitor.training import TrainingReporter
+from zerodp.optim.factory import build_optimizer
+from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
+from zerodp.optim.schedulers import build_scheduler
+from zerodp.optim.sharded_optimizer import ZeroOptimizer
+from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.params.init import adopt_init_groups
-from zerodp.params.runtime import Stage3Runtime
+from zerodp.params.runtime import ResidentParams, Stage3Runtime
+from zerodp.partition import FlatGroup
 from zerodp.partition.builder import ModelLayout, build_layout
-from zerodp.precision.master import MasterWeights
-from zerodp.precision.policy import PrecisionPolicy
+from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
+from zerodp.precision.inputs import install_input_cast
+from zerodp.torch_internals import replace_buffers
+from zerodp.train_state import TrainState
+
+ParamRuntime = ResidentParams | Stage3Runtime
 
 
 @dataclass
-class ModelState:
-    layout: ModelLayout
-    stage3: Stage3Runtime | None
+class EngineParts:
+    """Everything an engine is made of; `ZeroEngine` holds it and delegates."""
+
+    comm: Comm
+    device: torch.device
+    strategy: StageStrategy
+    precision: PrecisionPolicy
+    lifecycle: BackwardLifecycle
+    groups: GroupIndex
     reducer: GradientReducer
-    masters: MasterWeights | None
-    shards: list[tuple[GroupGradients, nn.Parameter]]
+    params: ParamRuntime
+    gate: StepGate
+    train_state: TrainState
     inner_optimizer: torch.optim.Optimizer
+    optimizer: ZeroOptimizer
+    full_state: FullStateAccessor
+    lr_scheduler: Any
+    reporter: TrainingReporter
+    eigenvalue: EigenvalueMonitor | None
+    training_dataloader: ZeroDataLoader | None
+    handles: list[RemovableHandle]
 
-    @property
-    def managed_params(self) -> list[nn.Parameter]:
-        return [p for g in self.layout.groups for p in g.params]
 
-    @property
-    def trainable_params(self) -> list[nn.Parameter]:
-        return [p for g in self.layout.groups if g.trainable for p in g.params]
+@dataclass(frozen=True)
+class EngineCallbacks:
+    """The engine's own reactions to lifecycle events (it counts micro-steps, so it decides)."""
+
+    on_forward_start: Callable[[], None]
+    is_boundary: Callable[[], bool]
+    prologue_scale: Callable[[], float]
 
 
 def assemble(
@@ -57,75 +93,136 @@ def assemble(
     *,
     comm: Comm,
     device: torch.device,
-    strategy: StageStrategy,
-    policy: PrecisionPolicy,
-    lifecycle: BackwardLifecycle,
-    specs: list[ParamGroupSpec],
-    user_optimizer: Any,
-) -> ModelState:
+    callbacks: EngineCallbacks,
+    model_parameters: Any = None,
+    user_optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Any = None,
+) -> EngineParts:
     zero = config.zero_optimization
-    trainable_groups = {id(p): i for i, spec in enumerate(specs) for p in spec.params}
-    presharded = adopt_init_groups(
-        module,
-        trainable_groups,
-        keep_sharded=strategy.shards_params,
-        persistence_threshold=zero.stage3_param_persistence_threshold,
-    )
-    layout = build_layout(
-        module,
-        trainable_groups,
-        shard_params=strategy.shards_params,
-        world_size=comm.world_size,
-        rank=comm.rank,
-        device=device,
-        bucket_numel=zero.reduce_bucket_size,
-        persistence_threshold=zero.stage3_param_persistence_threshold,
-        presharded=presharded,
-    )
-    _sync_from_rank0(module, layout, comm, device)
-    owns_full = strategy.reduction.optimizer_owns_full_group
-    masters = _cast_to(module, layout, policy, owns_full) if policy.mixed else None
+    strategy = strategy_for(zero.stage)
+    policy = precision_policy(config)
+    lifecycle = BackwardLifecycle()
+    specs = resolve_param_groups(module, model_parameters, user_optimizer)
 
-    stage3 = None
+    layout = _lay_out(module, config, comm, device, strategy, specs)
+    _sync_from_rank0(module, layout, comm, device)
+    copies = _optimizer_copies(layout) if policy.mixed else {}
+    _cast_model(module, layout, policy.param_dtype)
+    groups = GroupIndex(
+        [
+            _group_state(flat, order, strategy, policy, comm, copies.get(order))
+            for order, flat in enumerate(layout.groups)
+        ]
+    )
+
+    reducer = GradientReducer(
+        groups.trainable,
+        comm,
+        strategy.reduction,
+        comm_dtype=policy.comm_dtype,
+        max_inflight_elements=zero.reduce_bucket_size,
+        overlap_comm=zero.overlap_comm,
+    )
+    params: ParamRuntime
     if strategy.shards_params:
-        stage3 = Stage3Runtime(
+        params = Stage3Runtime(
             module,
-            layout,
+            groups,
+            layout.module_params,
             comm,
             lifecycle,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
         )
-    reducer = GradientReducer(
-        layout.groups,
-        comm,
-        strategy.reduction,
-        storage_dtype=policy.grad_storage_dtype,
-        comm_dtype=policy.comm_dtype,
-        max_inflight_elements=zero.reduce_bucket_size,
-        overlap_comm=zero.overlap_comm,
-    )
-    if stage3 is not None:
-        reducer.on_group_complete.append(stage3.coordinator.on_grads_complete)
+    else:
+        params = ResidentParams(groups, comm, publish_after_step=strategy.gathers_params_after_step)
+    gate = StepGate(lifecycle, reducer, release_gathered=params.release_all)
+    handles = _connect(module, groups, lifecycle, reducer, params, gate, policy, callbacks)
 
-    shards = []
-    shard_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
-    for grads in reducer.groups:
-        group = grads.group
-        owned = group.full if owns_full else group.shard
-        master = masters.master_of(group) if masters is not None else None
-        shard = shard_parameter(master if master is not None else owned)
-        shards.append((grads, shard))
-        shard_groups[group.param_group_index]["params"].append(shard)
-    inner = build_optimizer(user_optimizer, config.optimizer, shard_groups)
-    return ModelState(
-        layout=layout,
-        stage3=stage3,
+    train_state = TrainState()
+    inner = _torch_optimizer(groups, specs, user_optimizer, config)
+    optimizer = ZeroOptimizer(
+        inner,
         reducer=reducer,
-        masters=masters,
-        shards=shards,
+        comm=comm,
+        states=groups.trainable,
+        sharded_grads=strategy.shards_optimizer_state,
+        params=params,
+        model_params=groups.params,
+        gradient_clipping=config.gradient_clipping,
+        gate=gate,
+        train_state=train_state,
+        loss_scaler=loss_scaler_from_config(config.fp16),
+    )
+    return EngineParts(
+        comm=comm,
+        device=device,
+        strategy=strategy,
+        precision=policy,
+        lifecycle=lifecycle,
+        groups=groups,
+        reducer=reducer,
+        params=params,
+        gate=gate,
+        train_state=train_state,
         inner_optimizer=inner,
+        optimizer=optimizer,
+        full_state=FullStateAccessor(
+            comm=comm,
+            groups=groups,
+            reducer=reducer,
+            optimizer=inner,
+            loss_scale=lambda: optimizer.loss_scaler.scale,
+        ),
+        lr_scheduler=_scheduler(lr_scheduler, config, inner, optimizer),
+        reporter=TrainingReporter(
+            Monitor.from_config(config.csv_monitor, config.tensorboard, rank=comm.rank),
+            active=config.csv_monitor.enabled or config.tensorboard.enabled,
+            comm=comm,
+        ),
+        eigenvalue=(
+            EigenvalueMonitor(config.eigenvalue, module, comm)
+            if config.eigenvalue.enabled
+            else None
+        ),
+        training_dataloader=_data_loader(training_data, collate_fn, config, comm),
+        handles=handles,
+    )
+
+
+# -- the model's tensors ---------------------------------------------------------------
+
+
+def _lay_out(
+    module: nn.Module,
+    config: ZeroDPConfig,
+    comm: Comm,
+    device: torch.device,
+    strategy: StageStrategy,
+    specs: list[ParamGroupSpec],
+) -> ModelLayout:
+    zero = config.zero_optimization
+    optimizer_group = {id(p): i for i, spec in enumerate(specs) for p in spec.params}
+    presharded = adopt_init_groups(
+        module,
+        optimizer_group,
+        keep_sharded=strategy.shards_params,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+    )
+    return build_layout(
+        module,
+        optimizer_group,
+        shard_params=strategy.shards_params,
+        world_size=comm.world_size,
+        rank=comm.rank,
+        device=device,
+        bucket_numel=zero.reduce_bucket_size,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        owns_full=strategy.optimizer_owns_full_group,
+        presharded=presharded,
     )
 
 
@@ -139,12 +236,8 @@ def _sync_from_rank0(
         if id(param) not in managed:
             param.data = param.data.to(device)
             loose.append(param.data)
-    for owner in module.modules():
-        for name, buffer in owner._buffers.items():
-            if buffer is not None:
-                moved = buffer.to(device)
-                owner._buffers[name] = moved
-                loose.append(moved)
+    replace_buffers(module, lambda buffer: buffer.to(device))
+    loose += list(module.buffers())
     # Groups built sharded by zero.Init were taken from rank 0 already (and are empty now).
     resident = [g for g in layout.groups if g.full_is_allocated]
     broadcast_tensors(comm, [g.full for g in resident] + loose)
@@ -152,22 +245,140 @@ def _sync_from_rank0(
         group.take_shard_from_full()
 
 
-def _cast_to(
-    module: nn.Module, layout: ModelLayout, policy: PrecisionPolicy, owns_full: bool
-) -> MasterWeights:
-    """Keep fp32 masters of the owned ranges, then cast the model to half precision."""
-    masters = MasterWeights()
+def _optimizer_copies(layout: ModelLayout) -> dict[int, torch.Tensor]:
+    """fp32 copies of each trainable group's owned range, taken before the model is cast."""
+    return {
+        order: flat.owned.detach().to(torch.float32).clone()
+        for order, flat in enumerate(layout.groups)
+        if flat.trainable
+    }
+
+
+def _cast_model(module: nn.Module, layout: ModelLayout, dtype: torch.dtype) -> None:
+    """The model in its training dtype: flat groups, loose parameters and float buffers."""
+    if dtype == torch.float32:
+        return
     for group in layout.groups:
-        if group.trainable:
-            owned = group.full if owns_full else group.shard
-            masters.add(group, owned.detach().to(torch.float32).clone(), owns_full)
-        group.cast_(policy.param_dtype)
+        group.cast_(dtype)
     managed = {id(p) for g in layout.groups for p in g.params}
     for param in module.parameters():
         if id(param) not in managed and param.is_floating_point():
-            param.data = param.data.to(policy.param_dtype)
-    for owner in module.modules():
-        for name, buffer in owner._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                owner._buffers[name] = buffer.to(policy.param_dtype)
-    return masters
+            param.data = param.data.to(dtype)
+    replace_buffers(module, lambda b: b.to(dtype) if b.is_floating_point() else b)
+
+
+def _group_state(
+    flat: FlatGroup,
+    order: int,
+    strategy: StageStrategy,
+    policy: PrecisionPolicy,
+    comm: Comm,
+    copy: torch.Tensor | None,
+) -> GroupState:
+    state = GroupState(flat, order)
+    if flat.trainable:
+        plan = strategy.reduction
+        state.grads = KeptGradient(
+            flat,
+            covers_full=plan.storage is GradStorage.FULL,
+            dtype=policy.grad_storage_dtype,
+            sync=plan.initial_sync,
+        )
+        state.optim = OptimizerParam(flat, copy)
+    if not flat.persistent:
+        state.gather = GatherState(flat, comm)
+    return state
+
+
+# -- hooks ---------------------------------------------------------------------------------
+
+
+def _connect(
+    module: nn.Module,
+    groups: GroupIndex,
+    lifecycle: BackwardLifecycle,
+    reducer: GradientReducer,
+    params: ParamRuntime,
+    gate: StepGate,
+    policy: PrecisionPolicy,
+    callbacks: EngineCallbacks,
+) -> list[RemovableHandle]:
+    """Connect autograd to the lifecycle, the lifecycle to the reducer and the gate."""
+
+    def prologue(task: Any) -> None:
+        reducer.begin_task(
+            is_boundary=callbacks.is_boundary(), contribution_scale=callbacks.prologue_scale()
+        )
+
+    def epilogue(task: Any) -> None:
+        reducer.end_task()
+        gate.on_task_end(task)
+
+    def abort(task: Any) -> None:
+        reducer.abort_task()
+        gate.on_task_abort(task)
+
+    handles = install_parameter_hooks(groups.trainable, lifecycle, reducer)
+    handles += install_root_hooks(module, lifecycle, callbacks.on_forward_start)
+    if policy.mixed:
+        handles.append(install_input_cast(module, policy.param_dtype))
+    handles += [
+        lifecycle.on_prologue(prologue),
+        lifecycle.on_epilogue(epilogue),
+        lifecycle.on_abort(abort),
+        reducer.on_contributions_complete.connect(params.on_grads_complete),
+    ]
+    return handles
+
+
+# -- the optimizer side ------------------------------------------------------------------
+
+
+def _torch_optimizer(
+    groups: GroupIndex, specs: list[ParamGroupSpec], user_optimizer: Any, config: ZeroDPConfig
+) -> torch.optim.Optimizer:
+    """The torch optimizer, on each trainable group's optimizer parameter."""
+    param_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
+    for state in groups.trainable:
+        if state.optim is not None:
+            param_groups[state.flat.param_group_index]["params"].append(state.optim.param)
+    return build_optimizer(user_optimizer, config.optimizer, param_groups)
+
+
+def _scheduler(
+    lr_scheduler: Any,
+    config: ZeroDPConfig,
+    inner: torch.optim.Optimizer,
+    optimizer: ZeroOptimizer,
+) -> Any:
+    if lr_scheduler is None:
+        if config.scheduler is None:
+            return None
+        return build_scheduler(optimizer, config.scheduler)
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        if lr_scheduler.optimizer is not inner and lr_scheduler.optimizer is not optimizer:
+            raise ValueError(
+                "lr_scheduler is bound to an optimizer zerodp does not step; pass the "
+                "optimizer it was built on to zerodp.initialize too, or pass a callable "
+                "lr_scheduler(optimizer) -> scheduler"
+            )
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    raise TypeError("lr_scheduler must be an LRScheduler, a callable(optimizer), or None")
+
+
+def _data_loader(
+    training_data: Any, collate_fn: Any, config: ZeroDPConfig, comm: Comm
+) -> ZeroDataLoader | None:
+    if training_data is None:
+        return None
+    return ZeroDataLoader(
+        training_data,
+        micro_batch_size=config.batch_sizes.train_micro_batch_size_per_gpu,
+        rank=comm.rank,
+        world_size=comm.world_size,
+        collate_fn=collate_fn,
+        drop_last=config.dataloader_drop_last,
+        seed=config.seed or 0,
+    )

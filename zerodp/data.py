@@ -28,7 +28,6 @@ class ZeroDataLoader:
         drop_last: bool,
         seed: int,
         shuffle: bool = True,
-        device: torch.device | None = None,
     ) -> None:
         self.sampler: DistributedSampler[Any] = DistributedSampler(
             dataset,
@@ -50,7 +49,6 @@ class ZeroDataLoader:
         )
         self.epoch = 0
         self.batches_consumed = 0  # in the current epoch
-        self.device = device
 
     def __len__(self) -> int:
         return len(self.loader)

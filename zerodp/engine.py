@@ -1,14 +1,14 @@
-"""The engine users hold: a facade that wires zerodp's parts together.
+"""The engine users hold: a facade over the parts `zerodp.assembly` builds.
 
 It owns no collective, layout or stage logic: the stage strategy decides,
-`partition` lays out, `backward` reduces, `params` gathers (stage 3), `optim`
-steps. The engine keeps DeepSpeed's surface (`backward`, `step`,
-`zero_grad`, counters) and the explicit gradient state that `step()` checks.
+`partition` lays out, `backward` reduces, `params` gathers (stage 3, or a null
+object at stages 0-2), `optim` steps, the step gate says whether a step may
+run. The engine keeps DeepSpeed's surface (`backward`, `step`, `zero_grad`,
+counters) and hands narrow views of itself to checkpoints and monitors.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -16,42 +16,37 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
 
-from zerodp import registry
-from zerodp.accessors import FullStateAccessor
-from zerodp.assembly import assemble
+from zerodp.assembly import EngineCallbacks, assemble
 from zerodp.backward import autograd_api
-from zerodp.backward.hooks import install_parameter_hooks, install_root_hooks
-from zerodp.backward.lifecycle import BackwardLifecycle, GraphTask
-from zerodp.checkpoint.engine_io import load_checkpoint, save_checkpoint
+from zerodp.backward.lifecycle import GraphTask
+from zerodp.backward.step_gate import GradientState
+from zerodp.checkpoint import CheckpointSubject, load_checkpoint, save_checkpoint
+from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
-from zerodp.data import ZeroDataLoader
 from zerodp.errors import LifecycleError
-from zerodp.monitor.eigenvalue import EigenvalueMonitor
-from zerodp.monitor.events import eigenvalue_event_name
-from zerodp.monitor.memory import ModelStateBytes, engine_model_state_bytes
-from zerodp.monitor.sinks import Monitor
-from zerodp.monitor.training import TrainingReporter
-from zerodp.optim.param_groups import resolve_param_groups
-from zerodp.optim.schedulers import build_scheduler
-from zerodp.optim.sharded_optimizer import ZeroOptimizer
-from zerodp.optim.strategy import strategy_for
-from zerodp.params.status import ParamStatus
-from zerodp.partition import FlatGroup
-from zerodp.precision import loss_scaler_from_config, precision_policy
-from zerodp.precision.inputs import install_input_cast
+from zerodp.group import ParamStatus
+from zerodp.monitor.memory import (
+    ModelStateBytes,
+    ModelStateTensors,
+    model_state_bytes,
+    optimizer_state_tensors,
+)
+from zerodp.monitor.training import BoundaryRecord
 
 logger = logging.getLogger("zerodp")
 
+# Every managed parameter -> the live engine managing it (for `zerodp.utils`, `zerodp.zero`).
+_ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-class GradientState(enum.Enum):
-    """What the gradients zerodp keeps hold, as far as `step()` is concerned."""
 
-    CLEAN = "clean"  # zeroed, no backward since
-    ACCUMULATED = "accumulated"  # every backward since zero_grad() finished
-    INCOMPLETE = "incomplete"  # a backward raised part-way; zero_grad() needed
+def engine_of(param: torch.Tensor) -> ZeroEngine | None:
+    """The live engine that manages `param`, or None."""
+    engine = _ENGINES.get(param)
+    return engine if isinstance(engine, ZeroEngine) else None
 
 
 class ZeroEngine:
@@ -73,188 +68,102 @@ class ZeroEngine:
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         ensure_process_group()
+        _refuse_managed(module)
         self.config = config
-        self.comm = Comm()
-        self.device = default_device()
-        self.strategy = strategy_for(config.zero_optimization.stage)
-        self.precision = precision_policy(config)
         self.module = module
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
-        self.gradient_state = GradientState.CLEAN
-        self.lifecycle = BackwardLifecycle()
-        self._handles: list[RemovableHandle] = []
         self._destroyed = False
-        self._scaled_loss_pending = False  # scale() was called; the next task's loss is scaled
-
-        specs = resolve_param_groups(module, model_parameters, optimizer)
-        state = assemble(
+        parts = assemble(
             module,
             config,
-            comm=self.comm,
-            device=self.device,
-            strategy=self.strategy,
-            policy=self.precision,
-            lifecycle=self.lifecycle,
-            specs=specs,
+            comm=Comm(),
+            device=default_device(),
+            callbacks=EngineCallbacks(
+                on_forward_start=self._on_forward_start,
+                is_boundary=self.is_gradient_accumulation_boundary,
+                prologue_scale=self._unscaled_backward_factor,
+            ),
+            model_parameters=model_parameters,
             user_optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            training_data=training_data,
+            collate_fn=collate_fn,
         )
-        self.layout = state.layout
-        self.stage3 = state.stage3
-        self.reducer = state.reducer
-        self.masters = state.masters
-        self._managed_params = state.managed_params
-        self._handles += install_parameter_hooks(
-            state.trainable_params, self.lifecycle, self.reducer
-        )
-        self._handles += install_root_hooks(module, self.lifecycle, self._on_forward_start)
-        if self.precision.mixed:
-            self._handles.append(install_input_cast(module, self.precision.param_dtype))
-        self._handles += [
-            self.lifecycle.on_prologue(self._prologue),
-            self.lifecycle.on_epilogue(self._epilogue),
-            self.lifecycle.on_abort(self._abort),
-        ]
-        inner = state.inner_optimizer
-        self.optimizer = ZeroOptimizer(
-            inner,
-            reducer=self.reducer,
-            comm=self.comm,
-            shards=state.shards,
-            sharded_grads=self.strategy.shards_optimizer_state,
-            resident_groups=self._resident_groups,
-            model_params=self._managed_params,
-            gradient_clipping=config.gradient_clipping,
-            before_step=self._check_can_step,
-            on_zero_grad=self.zero_grad,
-            loss_scaler=loss_scaler_from_config(config.fp16),
-            masters=self.masters,
-        )
-        self.full_state = FullStateAccessor(
-            comm=self.comm,
-            reducer=self.reducer,
-            groups=self.layout.groups,
-            shard_params={id(grads.group): shard for grads, shard in state.shards},
-            optimizer=inner,
-            owns_full_group=self.strategy.reduction.optimizer_owns_full_group,
-            stage3=self.stage3,
-            masters=self.masters,
-            loss_scale=lambda: self.optimizer.loss_scaler.scale,
-        )
-        self.lr_scheduler = self._make_scheduler(lr_scheduler, inner)
-        self.reporter = TrainingReporter(
-            Monitor.from_config(config.csv_monitor, config.tensorboard, rank=self.comm.rank),
-            active=config.csv_monitor.enabled or config.tensorboard.enabled,
-            comm=self.comm,
-        )
-        self.eigenvalue = (
-            EigenvalueMonitor(config.eigenvalue, module, self.comm)
-            if config.eigenvalue.enabled
-            else None
-        )
-        self.block_eigenvalue: dict[int, float] = {}  # the latest estimate, per block
-        self._eigenvalue_pending = False
-        self.training_dataloader = None
-        if training_data is not None:
-            self.training_dataloader = ZeroDataLoader(
-                training_data,
-                micro_batch_size=config.batch_sizes.train_micro_batch_size_per_gpu,
-                rank=self.comm.rank,
-                world_size=self.comm.world_size,
-                collate_fn=collate_fn,
-                drop_last=config.dataloader_drop_last,
-                seed=config.seed or 0,
-            )
-        registry.register(self, self._managed_params)
-
-    # -- set-up helpers ------------------------------------------------------------------
-
-    def _make_scheduler(self, lr_scheduler: Any, inner: torch.optim.Optimizer) -> Any:
-        if lr_scheduler is None:
-            if self.config.scheduler is None:
-                return None
-            return build_scheduler(self.optimizer, self.config.scheduler)
-        if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-            if lr_scheduler.optimizer is not inner and lr_scheduler.optimizer is not self.optimizer:
-                raise ValueError(
-                    "lr_scheduler is bound to an optimizer zerodp does not step; pass the "
-                    "optimizer it was built on to zerodp.initialize too, or pass a callable "
-                    "lr_scheduler(optimizer) -> scheduler"
-                )
-            return lr_scheduler
-        if callable(lr_scheduler):
-            return lr_scheduler(self.optimizer)
-        raise TypeError("lr_scheduler must be an LRScheduler, a callable(optimizer), or None")
-
-    def _resident_groups(self) -> list[FlatGroup]:
-        if not self.strategy.gathers_params_after_step:
-            return []
-        if self.stage3 is not None:
-            return self.stage3.resident_groups()
-        return [g for g in self.layout.groups if g.trainable]
+        self.comm = parts.comm
+        self.device = parts.device
+        self.strategy = parts.strategy
+        self.precision = parts.precision
+        self.lifecycle = parts.lifecycle
+        self.groups = parts.groups
+        self.reducer = parts.reducer
+        self.params = parts.params
+        self.gate = parts.gate
+        self.train_state = parts.train_state
+        self.optimizer = parts.optimizer
+        self.full_state = parts.full_state
+        self.lr_scheduler = parts.lr_scheduler
+        self.reporter = parts.reporter
+        self.eigenvalue = parts.eigenvalue
+        self.training_dataloader = parts.training_dataloader
+        self._handles: list[RemovableHandle] = parts.handles
+        for param in self.groups.params:
+            _ENGINES[param] = self
 
     # -- lifecycle callbacks -------------------------------------------------------------
 
     def _on_forward_start(self) -> None:
         if not autograd_api.in_backward():
-            self._abort_stale_backward()
+            self.ensure_no_stale_backward()
 
-    def _prologue(self, task: GraphTask) -> None:
-        # A backward whose loss went through scale() carries the fp16 loss scale; any
-        # other (a plain loss.backward()) gets it applied to its gradients instead.
-        loss_scale = self.optimizer.loss_scaler.scale
-        unscaled = not self._scaled_loss_pending and loss_scale != 1.0
-        self._scaled_loss_pending = False
-        self.reducer.begin_task(
-            is_boundary=self.is_gradient_accumulation_boundary(),
-            contribution_scale=loss_scale if unscaled else 1.0,
-        )
+    def _unscaled_backward_factor(self) -> float:
+        """What a backward's gradients are multiplied by when its loss was not `scale()`d.
 
-    def _epilogue(self, task: GraphTask) -> None:
-        self.reducer.end_task()
-        if self.gradient_state is GradientState.CLEAN:
-            self.gradient_state = GradientState.ACCUMULATED
+        The fp16 loss scale, so that every kept gradient carries the same scale
+        (a task whose loss came from `scale()` is marked by a hook on that loss,
+        see `scale`, and gets 1).
+        """
+        return self.optimizer.loss_scaler.scale
 
-    def _abort(self, task: GraphTask) -> None:
-        self.reducer.abort_task()
-        self.gradient_state = GradientState.INCOMPLETE
-
-    def _abort_stale_backward(self) -> None:
-        self.lifecycle.abort_if_stale()
-
-    def _check_can_step(self) -> None:
-        self._abort_stale_backward()
-        if autograd_api.in_backward():
-            raise LifecycleError(
-                "step() was called inside a backward (from a hook?); call it after "
-                "backward has returned"
-            )
-        if self.gradient_state is GradientState.INCOMPLETE:
-            raise LifecycleError(
-                "a backward raised part-way, so the gradients are incomplete; call "
-                "engine.zero_grad() and run the backward again before step()"
-            )
+    def ensure_no_stale_backward(self) -> None:
+        """Abort a backward that ended in an exception (its epilogue will never come)."""
+        self.gate.ensure_no_stale_backward()
 
     # -- the training surface ----------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward (stage 3 gathers each module's parameters as it runs)."""
         return self.module(*args, **kwargs)
 
     forward = __call__
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss as backward should see it: divided by the accumulation steps, and
-        multiplied by the fp16 loss scale (the optimizer step divides it out again)."""
+        multiplied by the fp16 loss scale (the optimizer step divides it out again).
+
+        The returned tensor carries a hook that tells the backward running through it
+        that its loss is scaled already, however often (or never) it is run.
+        """
         gas = self.gradient_accumulation_steps()
         factor = self.optimizer.loss_scaler.scale / gas
-        self._scaled_loss_pending = True
-        return loss * factor if factor != 1.0 else loss
+        if factor == 1.0:
+            return loss
+        scaled = loss * factor
+        if scaled.requires_grad:
+            scaled.register_hook(self.lifecycle.hook(self._mark_task_scaled))
+        return scaled
+
+    def _mark_task_scaled(self, grad: torch.Tensor) -> None:
+        self.reducer.mark_task_scaled()
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any
     ) -> torch.Tensor:
-        self._abort_stale_backward()
+        """Run backward on `scale(loss)`; returns `loss`.
+
+        The same as `engine.scale(loss).backward(...)`; keyword arguments go to
+        `torch.Tensor.backward`. At an eigenvalue boundary the graph is kept for
+        the estimate `step()` makes.
+        """
+        self.ensure_no_stale_backward()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"engine.backward expects a tensor loss, got {type(loss).__name__}")
         if loss.numel() != 1:
@@ -272,36 +181,20 @@ class ZeroEngine:
         if eigen is not None and eigen.due(
             self.global_steps, self.is_gradient_accumulation_boundary()
         ):
-            # Double backward through the model before the backward frees its graph.
-            values = eigen.compute(loss, seed=self.global_steps)
-            self.block_eigenvalue = dict(enumerate(values))
-            self._eigenvalue_pending = True
+            eigen.keep_loss(loss)
+            retain_graph = True
         try:
             self.scale(loss).backward(retain_graph=retain_graph, **kwargs)
         except BaseException:
-            self._abort_stale_backward()
+            self.ensure_no_stale_backward()
             raise
         return loss
 
-    def _eigenvalue_events(self) -> list[tuple[str, float, int]]:
-        if not self._eigenvalue_pending:
-            return []
-        self._eigenvalue_pending = False
-        return [
-            (eigenvalue_event_name(block), value, self.global_samples)
-            for block, value in self.block_eigenvalue.items()
-        ]
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero every gradient zerodp keeps (its buffers stay allocated for the next step)."""
-        self._abort_stale_backward()
-        if autograd_api.in_backward():
-            raise LifecycleError("zero_grad() was called inside a backward; call it outside")
-        self.reducer.zero()
-        if self.stage3 is not None:
-            # Groups a forward kept gathered for its backward go too (it may never come).
-            self.stage3.coordinator.release_all()
-        self.gradient_state = GradientState.CLEAN
+        self.gate.zero_grad()
+        if self.eigenvalue is not None:
+            self.eigenvalue.drop_pending()
 
     def step(self) -> None:
         """At an accumulation boundary: optimizer and scheduler step, then zero_grad().
@@ -310,47 +203,96 @@ class ZeroEngine:
         boundary step follows DeepSpeed; within an accumulation window,
         gradients add up across every backward until then, as in PyTorch.
         """
-        self._check_can_step()
+        self.gate.check_can_step()
+        state = self.train_state
         if self.is_gradient_accumulation_boundary():
-            self.optimizer.step()
+            self.gate.warn_if_nothing_to_apply()
+            extra = []
+            if self.eigenvalue is not None:
+                samples_after = state.global_samples + self.train_batch_size()
+                extra = self.eigenvalue.run_pending(state.global_steps, samples_after)
+            self.optimizer.apply_step()
             if self.lr_scheduler is not None and not self.optimizer.last_step_skipped:
                 self.lr_scheduler.step()
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            self.reporter.on_boundary(self, self._eigenvalue_events())
+            state.global_steps += 1
+            state.global_samples += self.train_batch_size()
+            self.reporter.on_boundary(lambda: self._boundary_record(extra))
             self.zero_grad()
-            if self.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
-                logger.info("step %d: lr %s", self.global_steps, self.get_lr())
-        self.micro_steps += 1
+            if state.global_steps % self.config.steps_per_print == 0 and self.global_rank == 0:
+                logger.info("step %d: lr %s", state.global_steps, self.get_lr())
+        state.micro_steps += 1
+
+    def _boundary_record(self, extra: list[tuple[str, float, int]]) -> BoundaryRecord:
+        return BoundaryRecord(
+            global_samples=self.global_samples,
+            lr=self.get_lr()[0],
+            loss_scale=self.loss_scale,
+            grad_norm=self.get_global_grad_norm(),
+            train_batch_size=self.train_batch_size(),
+            extra=extra,
+        )
 
     # -- accessors DeepSpeed users reach for ------------------------------------------------
 
     @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken (accumulation boundaries passed)."""
+        return self.train_state.global_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """`step()` calls so far, one per micro-batch."""
+        return self.train_state.micro_steps
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by all ranks together."""
+        return self.train_state.global_samples
+
+    @property
+    def gradient_state(self) -> GradientState:
+        """CLEAN, ACCUMULATED or INCOMPLETE: what `step()` would apply now."""
+        return self.gate.state
+
+    @property
     def global_rank(self) -> int:
+        """This process's rank in the data-parallel group."""
         return self.comm.rank
 
     @property
     def world_size(self) -> int:
+        """The number of data-parallel ranks."""
         return self.comm.world_size
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's LOCAL_RANK)."""
         return local_rank()
 
     @property
     def zero_stage(self) -> int:
+        """The ZeRO stage, 0 to 3."""
         return self.strategy.stage
 
+    @property
+    def block_eigenvalue(self) -> dict[int, float]:
+        """The latest top Hessian eigenvalue per block (eigenvalue monitoring)."""
+        return {} if self.eigenvalue is None else dict(self.eigenvalue.latest)
+
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
         return self.config.batch_sizes.gradient_accumulation_steps
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on each rank."""
         return self.config.batch_sizes.train_micro_batch_size_per_gpu
 
     def train_batch_size(self) -> int:
+        """Samples per optimizer step, over all ranks (micro batch x accumulation x ranks)."""
         return self.config.batch_sizes.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step()` call steps the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     @property
@@ -361,9 +303,10 @@ class ZeroEngine:
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because gradients overflowed (fp16)."""
-        return self.optimizer.skipped_steps
+        return self.train_state.skipped_steps
 
     def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer param group."""
         return [float(group["lr"]) for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
@@ -384,12 +327,16 @@ class ZeroEngine:
         return self.lifecycle.register_user_hooks(prologue, epilogue)
 
     def train(self, mode: bool = True) -> ZeroEngine:
+        """Put the model in training mode (as `nn.Module.train`)."""
         self.module.train(mode)
         return self
 
     def eval(self) -> ZeroEngine:
+        """Put the model in evaluation mode (as `nn.Module.eval`)."""
         self.module.eval()
         return self
+
+    # -- checkpoints -----------------------------------------------------------------
 
     def save_checkpoint(
         self, save_dir: Any, tag: str | None = None, client_state: Any = None
@@ -400,7 +347,7 @@ class ZeroEngine:
         visible (renamed, then `latest` updated) only once every rank has finished.
         Returns the checkpoint's path. See zerodp.checkpoint for the format.
         """
-        return str(save_checkpoint(self, save_dir, tag=tag, client_state=client_state))
+        return str(save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state))
 
     def load_checkpoint(
         self,
@@ -412,11 +359,12 @@ class ZeroEngine:
     ) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any stage and world size; returns (path, client_state).
 
+        Everything is checked (on every rank, agreed) before anything is changed.
         With no tag and no `latest` file in `load_dir` (nothing saved yet), nothing is
         loaded and (None, None) is returned, as in DeepSpeed.
         """
         return load_checkpoint(
-            self,
+            self._checkpoint_subject(),
             load_dir,
             tag=tag,
             load_optimizer_states=load_optimizer_states,
@@ -424,33 +372,71 @@ class ZeroEngine:
             load_module_only=load_module_only,
         )
 
-    def optimizer_extra_state(self) -> list[torch.Tensor]:
-        """Optimizer-side tensors outside the torch optimizer's state (fp32 master weights)."""
-        return self.masters.tensors() if self.masters is not None else []
+    def _checkpoint_subject(self) -> CheckpointSubject:
+        def after_load() -> None:
+            self.optimizer.sync_params_from_owned()
+            self.zero_grad()
+
+        return CheckpointSubject(
+            comm=self.comm,
+            module=self.module,
+            groups=self.groups,
+            optimizer=self.optimizer.inner,
+            zero_stage=self.zero_stage,
+            param_dtype=self.precision.param_dtype,
+            counters=self.train_state,
+            optimizer_settings=OptimizerSettings(self.optimizer.inner),
+            loss_scaler=self.optimizer.loss_scaler,
+            lr_scheduler=None if self.lr_scheduler is None else SchedulerState(self.lr_scheduler),
+            dataloader=self.training_dataloader,
+            check_idle=lambda: self.gate.check_outside_backward("a checkpoint save or load"),
+            after_load=after_load,
+        )
+
+    # -- inspection --------------------------------------------------------------------
 
     def model_state_bytes(self) -> ModelStateBytes:
         """Bytes this rank holds in parameters, gradients and optimizer state."""
-        return engine_model_state_bytes(self)
+        states = self.groups.states
+        loose = [p for p in self.module.parameters() if not self.groups.manages(p)]
+        kept = [s.grads.storage for s in states if s.grads is not None]
+        user_grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        copies = [s.optim.copy for s in states if s.optim is not None and s.optim.copy is not None]
+        return model_state_bytes(
+            ModelStateTensors(
+                params=[s.flat.full for s in states] + [s.flat.shard for s in states] + loose,
+                grads=kept + user_grads,
+                optimizer=optimizer_state_tensors(self.optimizer) + copies,
+            )
+        )
 
     def param_status(self, param: nn.Parameter) -> ParamStatus:
-        self._abort_stale_backward()
-        if self.stage3 is None:
-            return ParamStatus.AVAILABLE
-        return self.stage3.coordinator.status(param)
+        """NOT_AVAILABLE, INFLIGHT or AVAILABLE (parameters zerodp does not shard: AVAILABLE)."""
+        self.ensure_no_stale_backward()
+        return self.params.status(param)
 
     def destroy(self) -> None:
         """Remove every hook and free zerodp's buffers; the module stays usable."""
         if self._destroyed:
             return
-        self._abort_stale_backward()
+        self.ensure_no_stale_backward()
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self.stage3 is not None:
-            self.stage3.teardown()
-        for param in self._managed_params:
+        self.params.teardown()
+        for param in self.groups.params:
             param.grad = None
-        registry.unregister(self._managed_params)
+            _ENGINES.pop(param, None)
         self.reporter.close()
-        self.reducer.groups = []
+        self.reducer.states = []
         self._destroyed = True
+
+
+def _refuse_managed(module: nn.Module) -> None:
+    """A model one live engine manages cannot be handed to a second one (checked first)."""
+    for name, param in module.named_parameters():
+        if engine_of(param) is not None:
+            raise LifecycleError(
+                f"parameter '{name}' is already managed by a zerodp engine; call "
+                "engine.destroy() on that engine first, or keep training with it"
+            )

@@ -1,17 +1,23 @@
-"""zerodp's error types.
+"""zerodp's error types: one hierarchy, so `except zerodp.ZeroDPError` catches any of them.
 
-User mistakes raise subclasses of the built-in types a user would catch anyway
-(`ValueError`, `TypeError`, `RuntimeError`), and every message names the fix.
+Every type also derives from the built-in type a user would catch anyway
+(`ValueError` for bad input, `RuntimeError` for a wrong order of calls,
+`OSError` for storage), and every message names the fix.
+
+When a check fails on some ranks only, every rank raises the same type with
+the same message (see `zerodp.comm.Comm.raise_if_any_failed`), so an
+`except` clause takes the same path everywhere and no rank is left waiting
+in the next collective.
 """
 
 from __future__ import annotations
 
 
 class ZeroDPError(RuntimeError):
-    """Base class for zerodp's runtime errors."""
+    """Base class of every error zerodp raises on purpose."""
 
 
-class ConfigError(ValueError):
+class ConfigError(ZeroDPError, ValueError):
     """A configuration value is missing, misspelled, of the wrong type or out of range."""
 
 
@@ -20,8 +26,48 @@ class LifecycleError(ZeroDPError):
 
 
 class ParamStateError(ZeroDPError):
-    """A stage 3 parameter was asked for a transition its current state does not allow."""
+    """A stage 3 parameter was used in a way its gather state does not allow."""
 
 
 class CheckpointError(ZeroDPError):
     """A checkpoint is missing, incomplete, corrupted, or for a different model."""
+
+
+class CheckpointPathError(CheckpointError, ValueError):
+    """A checkpoint directory or tag cannot be used as given (not a directory, bad tag)."""
+
+
+class CheckpointStorageError(CheckpointError, OSError):
+    """The storage refused a checkpoint operation (not writable, not found)."""
+
+
+class LossScaleError(ZeroDPError):
+    """fp16 gradients still overflow at the minimum loss scale."""
+
+
+class AgreedError(ZeroDPError):
+    """Another rank failed a check that every rank agreed on; the message quotes it."""
+
+
+# Types a failure on one rank may be re-raised as on every rank (by name, never unpickled).
+AGREED_TYPES: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        ZeroDPError,
+        ConfigError,
+        LifecycleError,
+        ParamStateError,
+        CheckpointError,
+        CheckpointPathError,
+        CheckpointStorageError,
+        LossScaleError,
+        ValueError,
+        TypeError,
+        KeyError,
+        RuntimeError,
+        OSError,
+        PermissionError,
+        FileNotFoundError,
+        NotImplementedError,
+    )
+}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerodp import registry
+from zerodp.engine import engine_of
 
 __all__ = [
     "safe_get_full_fp32_param",
@@ -21,16 +21,16 @@ __all__ = [
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:
     """The full gradient of `param`, averaged over ranks (None if it has none)."""
-    engine = registry.engine_of(param)
+    engine = engine_of(param)
     if engine is None:
         return None if param.grad is None else param.grad.detach().clone()
-    engine._abort_stale_backward()
+    engine.ensure_no_stale_backward()
     return engine.full_state.full_grad(param)
 
 
 def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
     """The full fp32 value of `param` (the master copy under mixed precision)."""
-    engine = registry.engine_of(param)
+    engine = engine_of(param)
     if engine is None:
         return param.detach().float().clone()
     return engine.full_state.full_fp32_param(param)
@@ -38,7 +38,7 @@ def safe_get_full_fp32_param(param: nn.Parameter) -> torch.Tensor:
 
 def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """Set `param` to the full `value` (every rank passes the same value)."""
-    engine = registry.engine_of(param)
+    engine = engine_of(param)
     if engine is None:
         with torch.no_grad():
             param.copy_(value)
@@ -48,7 +48,7 @@ def safe_set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
 
 def safe_get_full_optimizer_state(param: nn.Parameter, key: str) -> torch.Tensor | None:
     """The full optimizer state `key` (e.g. "exp_avg") of `param`, or None before any step."""
-    engine = registry.engine_of(param)
+    engine = engine_of(param)
     if engine is None:
         return None
     return engine.full_state.full_optimizer_state(param, key)

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp import registry
+from zerodp.engine import ZeroEngine, engine_of
+from zerodp.gathered import GatheredParameters
+from zerodp.group import ParamStatus
 from zerodp.params import zero_parameter
-from zerodp.params.gathered import GatheredParameters
 from zerodp.params.init import Init
-from zerodp.params.status import ParamStatus
 
 __all__ = [
     "GatheredParameters",
@@ -25,23 +25,26 @@ __all__ = [
 
 def param_status(param: nn.Parameter) -> ParamStatus:
     """NOT_AVAILABLE, INFLIGHT or AVAILABLE; parameters zerodp does not shard are AVAILABLE."""
-    engine = registry.engine_of(param)
+    engine = engine_of(param)
     if engine is not None:
         return engine.param_status(param)
     owner = zero_parameter.owner_of(param)  # built under zero.Init, no engine yet
-    group = owner.group_of(param) if owner is not None else None
-    return ParamStatus.AVAILABLE if group is None else group.status
+    state = owner.group_of(param) if owner is not None else None
+    return ParamStatus.AVAILABLE if state is None else state.status
 
 
 def is_persistent(param: nn.Parameter) -> bool:
-    """Whether stage 3 keeps `param` gathered (it is below stage3_param_persistence_threshold)."""
-    engine = registry.engine_of(param)
+    """Whether `param` stays gathered all the time (every parameter at stages 0-2; at stage 3,
+    those below stage3_param_persistence_threshold)."""
+    engine = engine_of(param)
     if engine is None:
         return zero_parameter.owner_of(param) is None
-    if engine.stage3 is None:
-        return True
-    group = engine.stage3.group_of(param)
-    return group is None or group.persistent
+    state = engine.groups.state_of(param)
+    return state is None or state.persistent
+
+
+def _engine_of_module(module: nn.Module) -> ZeroEngine | None:
+    return next((e for e in map(engine_of, module.parameters()) if e is not None), None)
 
 
 def full_state_dict(
@@ -52,24 +55,22 @@ def full_state_dict(
     With `rank0_only`, ranks other than 0 gather (they must take part) but
     return an empty dict, so only rank 0 holds the full copy in memory.
     """
-    engine = next(
-        (e for e in (registry.engine_of(p) for p in module.parameters()) if e is not None), None
-    )
+    engine = _engine_of_module(module)
     keep = not rank0_only or engine is None or engine.global_rank == 0
     values: dict[int, torch.Tensor] = {}
-    if engine is not None and engine.stage3 is not None:
-        for group in engine.stage3.sharded:
-            with GatheredParameters(group.flat.params):
+    if engine is not None:
+        for state in engine.params.sharded_states:
+            with GatheredParameters(state.params):
                 if keep:
-                    for param in group.flat.params:
+                    for param in state.params:
                         values[id(param)] = param.detach().to(device).clone()
     if not keep:
         return {}
-    state: dict[str, Any] = {}
+    result: dict[str, Any] = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
             gathered = values.get(id(value))
-            state[key] = gathered if gathered is not None else value.detach().to(device).clone()
+            result[key] = gathered if gathered is not None else value.detach().to(device).clone()
         else:
-            state[key] = value
-    return state
+            result[key] = value
+    return result

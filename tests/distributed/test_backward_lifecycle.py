@@ -196,7 +196,7 @@ def case_retain_zero_grad(run: Lockstep) -> None:
     """1 (and 4, 5): forward; zero_grad; backward(loss1, retain); zero_grad; backward(loss2)."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     run.zero_grad()
-    coordinator = run.engine.stage3.coordinator if run.stage == 3 else None
+    coordinator = run.engine.params.coordinator if run.stage == 3 else None
     if coordinator is not None:
         coordinator.reset_peak()
     run.backward(_losses(outs, mse), retain_graph=True)

@@ -48,13 +48,13 @@ def step_bytes(stage: int, prefetch: int = 0) -> dict[str, int]:
     engine.comm.stats.reset()
     one_step()
     stats = engine.comm.stats
-    sharded = [g for g in engine.layout.groups if g.separate_shard]
-    resident = [g for g in engine.layout.groups if not g.separate_shard]
+    sharded = [s.flat for s in engine.groups if not s.persistent]
+    resident = [s.flat for s in engine.groups if s.persistent]
     measured = {
         "all_reduce": stats.bytes[CollectiveKind.ALL_REDUCE],
         "reduce_scatter": stats.bytes[CollectiveKind.REDUCE_SCATTER],
         "all_gather": stats.bytes[CollectiveKind.ALL_GATHER],
-        "psi": sum(g.padded_numel * g.full.element_size() for g in engine.layout.groups),
+        "psi": sum(g.padded_numel * g.full.element_size() for g in (s.flat for s in engine.groups)),
         "sharded": sum(g.padded_numel * g.full.element_size() for g in sharded),
         "resident": sum(g.padded_numel * g.full.element_size() for g in resident),
     }

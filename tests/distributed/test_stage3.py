@@ -146,7 +146,7 @@ def init_memory_and_training() -> dict[str, int]:
         reference.zero_grad()
         assert_params_match(model, reference, f"Init-built GPT, after step {step}")
     measured = engine.model_state_bytes().total
-    largest_group = max(g.padded_numel for g in engine.layout.groups) * 4
+    largest_group = max(s.flat.padded_numel for s in engine.groups) * 4
     engine.destroy()
     return {
         "held_after_init": held,
@@ -225,7 +225,7 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
     config = _config(0, stage3_prefetch_bucket_size=10_000, stage3_max_live_parameters=max_live)
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
-    coordinator = engine.stage3.coordinator
+    coordinator = engine.params.coordinator
     rank = dist.get_rank()
     for step, swap in enumerate([False, False, False, True, True, False]):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
@@ -237,7 +237,7 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
         reference.step()
         reference.zero_grad()
         assert_released(model)
-    largest = max(g.numel for g in engine.stage3.sharded if not g.persistent)
+    largest = max(s.flat.padded_numel for s in engine.params.sharded_states)
     report = {
         "divergences": coordinator.forward_trace.num_divergences,
         "prefetched": coordinator.num_prefetched,

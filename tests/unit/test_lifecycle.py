@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from zerodp.backward.lifecycle import BackwardLifecycle, TaskPhase
+from zerodp.backward.lifecycle import BackwardLifecycle
 
 
 class Recorder:
@@ -32,7 +32,7 @@ def test_each_backward_on_a_retained_graph_is_its_own_task() -> None:
     kinds = [kind for kind, _ in recorder.events]
     assert kinds == ["prologue", "epilogue", "prologue", "epilogue"]
     assert recorder.events[0][1] != recorder.events[2][1]
-    assert lifecycle.phase is TaskPhase.IDLE
+    assert not lifecycle.running
 
 
 def test_autograd_grad_is_a_task_and_hooks_repeat_within_it() -> None:

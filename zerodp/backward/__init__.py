@@ -2,10 +2,11 @@
 
 `autograd_api` is the only user of PyTorch's private autograd APIs;
 `lifecycle` gives each graph task one prologue and one epilogue;
-`reducer` averages gradients over ranks into the storage the stage keeps;
-`hooks` connects autograd's hooks to both.
+`reducer` averages gradients over ranks into the kept gradients;
+`hooks` connects autograd's hooks to both; `step_gate` owns whether the
+optimizer may step.
 """
 
-from zerodp.backward.lifecycle import BackwardLifecycle, GraphTask, TaskPhase
+from zerodp.backward.lifecycle import BackwardLifecycle, GraphTask
 
-__all__ = ["BackwardLifecycle", "GraphTask", "TaskPhase"]
+__all__ = ["BackwardLifecycle", "GraphTask"]

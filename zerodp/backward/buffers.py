@@ -23,10 +23,3 @@ class BufferPool:
 
     def give_back(self, buffer: torch.Tensor) -> None:
         self._free[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
-
-    def clear(self) -> None:
-        self._free.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bufs in self._free.values() for b in bufs)

@@ -7,6 +7,9 @@
   the task's prologue ran before autograd touches `param.grad`.
 - On each trainable parameter, after its gradient is accumulated: hands the
   gradient to the reducer. See [Note: gradient reduction].
+
+Every hook is registered through `BackwardLifecycle.hook` (see
+[Note: backward lifecycle]).
 """
 
 from __future__ import annotations
@@ -21,23 +24,30 @@ from torch.utils.hooks import RemovableHandle
 from zerodp._tree import grad_tensors_in
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
+from zerodp.group import GroupState
+
+
+def _nothing(*args: Any) -> None:
+    """A hook whose only job is the observation `BackwardLifecycle.hook` adds."""
 
 
 def install_parameter_hooks(
-    params: list[nn.Parameter], lifecycle: BackwardLifecycle, reducer: GradientReducer
+    states: list[GroupState], lifecycle: BackwardLifecycle, reducer: GradientReducer
 ) -> list[RemovableHandle]:
     handles = []
-    for param in params:
+    before_accumulate = lifecycle.hook(_nothing)
+    for state in states:
+        for position, param in enumerate(state.params):
 
-        def before_accumulate(grad: torch.Tensor) -> None:
-            lifecycle.observe()
+            def after_accumulate(
+                param: torch.Tensor, state: GroupState = state, position: int = position
+            ) -> None:
+                reducer.contribute(state, position, param)  # type: ignore[arg-type]
 
-        def after_accumulate(param: torch.Tensor) -> None:
-            lifecycle.observe()
-            reducer.contribute(param)  # type: ignore[arg-type]
-
-        handles.append(param.register_hook(before_accumulate))
-        handles.append(param.register_post_accumulate_grad_hook(after_accumulate))
+            handles.append(param.register_hook(before_accumulate))
+            handles.append(
+                param.register_post_accumulate_grad_hook(lifecycle.hook(after_accumulate))
+            )
     return handles
 
 
@@ -46,6 +56,8 @@ def install_root_hooks(
     lifecycle: BackwardLifecycle,
     on_forward_start: Callable[[], None],
 ) -> list[RemovableHandle]:
+    first_output_grad = lifecycle.hook(_nothing)
+
     def pre_forward(module: nn.Module, args: Any) -> None:
         on_forward_start()
 
@@ -54,10 +66,6 @@ def install_root_hooks(
             return
         tensors = grad_tensors_in(output)
         if tensors:
-
-            def first_output_grad(grad: torch.Tensor) -> None:
-                lifecycle.observe()
-
             torch.autograd.graph.register_multi_grad_hook(tensors, first_output_grad, mode="any")
 
     return [

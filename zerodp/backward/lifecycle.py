@@ -7,7 +7,9 @@ A "backward" is one autograd graph task: one `loss.backward()`,
 (`retain_graph=True`), and one task may span several forwards. zerodp never
 assumes which call started a backward: every hook autograd fires on zerodp's
 behalf (on forward outputs, module inputs, parameters' gradients, forward
-hooks re-run by activation checkpointing) calls `observe()` first.
+hooks re-run by activation checkpointing, saved-tensor unpacking, the loss
+`engine.scale()` returns) is registered through `BackwardLifecycle.hook`,
+which calls `observe()` before the hook's own work, so no hook can forget to.
 
 - The first hook seen in a new graph task (`current_graph_task_id()`) runs the
   prologue and queues the epilogue with `queue_task_callback`, so autograd
@@ -26,20 +28,18 @@ hooks re-run by activation checkpointing) calls `observe()` first.
 
 from __future__ import annotations
 
-import enum
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.backward import autograd_api
+from zerodp.backward.signals import Signal
 
-
-class TaskPhase(enum.Enum):
-    IDLE = "idle"
-    RUNNING = "running"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -55,54 +55,46 @@ class GraphTask:
 TaskCallback = Callable[[GraphTask], None]
 
 
-class _CallbackList:
-    def __init__(self) -> None:
-        # RemovableHandle keeps a weak reference to this dict: OrderedDict allows one.
-        self._callbacks: OrderedDict[int, TaskCallback] = OrderedDict()
-
-    def add(self, callback: TaskCallback) -> RemovableHandle:
-        handle = RemovableHandle(self._callbacks)
-        self._callbacks[handle.id] = callback
-        return handle
-
-    def __call__(self, task: GraphTask) -> None:
-        """Run every callback, even when one raises; then re-raise the first error."""
-        first_error: BaseException | None = None
-        for callback in list(self._callbacks.values()):
-            try:
-                callback(task)
-            except BaseException as error:
-                if first_error is None:
-                    first_error = error
-        if first_error is not None:
-            raise first_error
-
-
 class BackwardLifecycle:
-    """Tracks graph tasks and runs the registered prologues, epilogues and aborts."""
+    """Tracks graph tasks and runs the registered prologues, epilogues and aborts.
+
+    A task is running exactly while `task` is not None.
+    """
 
     def __init__(self) -> None:
-        self.phase = TaskPhase.IDLE
         self.task: GraphTask | None = None
         self.num_prologues = 0
         self.num_epilogues = 0
         self.num_aborted = 0
-        self._prologues = _CallbackList()
-        self._epilogues = _CallbackList()
-        self._aborts = _CallbackList()
-        self._user_prologues = _CallbackList()
-        self._user_epilogues = _CallbackList()
+        self._prologues: Signal[GraphTask] = Signal()
+        self._epilogues: Signal[GraphTask] = Signal()
+        self._aborts: Signal[GraphTask] = Signal()
+        self._user_prologues: Signal[GraphTask] = Signal()
+        self._user_epilogues: Signal[GraphTask] = Signal()
 
     # -- registration --------------------------------------------------------------
 
     def on_prologue(self, callback: TaskCallback) -> RemovableHandle:
-        return self._prologues.add(callback)
+        return self._prologues.connect(callback)
 
     def on_epilogue(self, callback: TaskCallback) -> RemovableHandle:
-        return self._epilogues.add(callback)
+        return self._epilogues.connect(callback)
 
     def on_abort(self, callback: TaskCallback) -> RemovableHandle:
-        return self._aborts.add(callback)
+        return self._aborts.connect(callback)
+
+    def hook(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """`fn` as an autograd hook: the lifecycle observes first, then `fn` runs.
+
+        Every hook zerodp gives autograd goes through here; see
+        [Note: backward lifecycle].
+        """
+
+        def observed(*args: P.args, **kwargs: P.kwargs) -> R:
+            self.observe()
+            return fn(*args, **kwargs)
+
+        return observed
 
     def register_user_hooks(
         self, prologue: TaskCallback | None, epilogue: TaskCallback | None
@@ -110,9 +102,9 @@ class BackwardLifecycle:
         """User hooks: the prologue runs after zerodp's, the epilogue after zerodp's."""
         handles = []
         if prologue is not None:
-            handles.append(self._user_prologues.add(prologue))
+            handles.append(self._user_prologues.connect(prologue))
         if epilogue is not None:
-            handles.append(self._user_epilogues.add(epilogue))
+            handles.append(self._user_epilogues.connect(epilogue))
         return handles
 
     # -- the hooks' entry point ------------------------------------------------------
@@ -123,7 +115,7 @@ class BackwardLifecycle:
         if task_id == autograd_api.NO_TASK:
             return None
         task = self.task
-        if self.phase is TaskPhase.RUNNING and task is not None:
+        if task is not None:
             if task_id == task.task_id:
                 return task
             if autograd_api.engine_depth() > task.depth:
@@ -134,18 +126,14 @@ class BackwardLifecycle:
     def abort_if_stale(self) -> bool:
         """From an entry point outside backward: abort a task that ended in an exception."""
         task = self.task
-        if (
-            self.phase is TaskPhase.RUNNING
-            and task is not None
-            and autograd_api.current_graph_task_id() == autograd_api.NO_TASK
-        ):
+        if task is not None and not autograd_api.in_backward():
             self._abort(task)
             return True
         return False
 
     @property
     def running(self) -> bool:
-        return self.phase is TaskPhase.RUNNING
+        return self.task is not None
 
     # -- transitions ---------------------------------------------------------------
 
@@ -157,11 +145,10 @@ class BackwardLifecycle:
             depth=autograd_api.engine_depth(),
         )
         self.task = task
-        self.phase = TaskPhase.RUNNING
         self.num_prologues += 1
         autograd_api.queue_task_callback(self._finish)
-        self._prologues(task)
-        self._user_prologues(task)
+        self._prologues.emit(task)
+        self._user_prologues.emit(task)
         return task
 
     def _finish(self) -> None:
@@ -169,17 +156,15 @@ class BackwardLifecycle:
         if task is None:  # pragma: no cover - aborted from another thread meanwhile
             return
         try:
-            self._epilogues(task)
-            self._user_epilogues(task)
+            self._epilogues.emit(task)
+            self._user_epilogues.emit(task)
         finally:
             self.num_epilogues += 1
             self.task = None
-            self.phase = TaskPhase.IDLE
 
     def _abort(self, task: GraphTask) -> None:
         try:
-            self._aborts(task)
+            self._aborts.emit(task)
         finally:
             self.num_aborted += 1
             self.task = None
-            self.phase = TaskPhase.IDLE

@@ -1,11 +1,14 @@
 """Sharded, atomic, reshardable checkpoints on torch.distributed.checkpoint (DCP).
 
-`engine_io` saves and loads an engine; `tensors` says which tensor goes under
-which key (layout-independent: one 1-D tensor per parameter); `plain` is the
-JSON part; `paths` validates and commits atomically; `integrity` checks a
-checkpoint before loading; `consolidate` writes one full state dict.
+`save_load` saves and loads a `CheckpointSubject` (the engine's state, handed
+over as narrow pieces; see `subject`); `tensors` says which tensor goes under
+which key (layout-independent: one 1-D tensor per parameter); `sharded` wraps
+ShardedTensor; `plain` and `jsonable` are the JSON part; `paths` validates and
+commits atomically; `integrity` checks a checkpoint before loading;
+`consolidate` writes one full state dict.
 """
 
-from zerodp.checkpoint.engine_io import load_checkpoint, save_checkpoint
+from zerodp.checkpoint.save_load import load_checkpoint, save_checkpoint
+from zerodp.checkpoint.subject import CheckpointSubject
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointSubject", "load_checkpoint", "save_checkpoint"]

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from zerodp.checkpoint import integrity, plain
 from zerodp.checkpoint.paths import check_load_source
-from zerodp.checkpoint.tensors import quiet_sharded_tensor_warnings
+from zerodp.checkpoint.sharded import quiet_sharded_tensor_warnings
 
 
 def full_state_dict_from_checkpoint(

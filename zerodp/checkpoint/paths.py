@@ -19,24 +19,25 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from zerodp.errors import CheckpointError
+from zerodp.errors import CheckpointError, CheckpointPathError, CheckpointStorageError
 
 LATEST = "latest"
 TEMP_PREFIX = ".tmp."
 
 
 def check_save_target(save_dir: object, tag: object) -> Path:
-    """Raise ValueError/OSError naming the fix when `save_dir`/`tag` cannot take a checkpoint."""
+    """Raise CheckpointPathError/CheckpointStorageError naming the fix when `save_dir`/`tag` cannot
+    take a checkpoint."""
     directory = _as_directory(save_dir, "save_dir")
     if tag is not None:
         check_tag(tag)
     if directory.exists() and not directory.is_dir():
-        raise ValueError(
+        raise CheckpointPathError(
             f"save_dir '{directory}' is a file, not a directory; pass a directory path"
         )
     probe_parent = directory if directory.exists() else _first_existing_parent(directory)
     if not probe_parent.is_dir():
-        raise ValueError(
+        raise CheckpointPathError(
             f"save_dir '{directory}' lies under '{probe_parent}', which is a file; pass a "
             "directory path"
         )
@@ -44,7 +45,7 @@ def check_save_target(save_dir: object, tag: object) -> Path:
         with tempfile.TemporaryFile(dir=probe_parent):
             pass
     except OSError as error:
-        raise PermissionError(
+        raise CheckpointStorageError(
             f"cannot write checkpoints under '{directory}' ('{probe_parent}' is not writable: "
             f"{error.strerror}); pass a directory you can write to"
         ) from None
@@ -61,7 +62,7 @@ def check_load_source(load_dir: object, tag: object) -> tuple[Path, str]:
     """The checkpoint directory to load and its tag (read from `latest` when tag is None)."""
     directory = _as_directory(load_dir, "load_dir")
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise CheckpointStorageError(
             f"load_dir '{directory}' does not exist or is not a directory; pass the directory "
             "given to save_checkpoint"
         )
@@ -82,14 +83,14 @@ def check_load_source(load_dir: object, tag: object) -> tuple[Path, str]:
 
 def check_tag(tag: object) -> str:
     if not isinstance(tag, str) or not tag.strip():
-        raise ValueError(f"checkpoint tag must be a non-empty string, got {tag!r}")
+        raise CheckpointPathError(f"checkpoint tag must be a non-empty string, got {tag!r}")
     if "/" in tag or "\\" in tag or os.sep in tag or tag in (".", "..") or tag == LATEST:
-        raise ValueError(
+        raise CheckpointPathError(
             f"checkpoint tag {tag!r} must be a plain name (no path separators, not "
             f"'.', '..' or '{LATEST}'); e.g. 'global_step100'"
         )
     if tag.startswith(TEMP_PREFIX):
-        raise ValueError(f"checkpoint tag {tag!r} may not start with '{TEMP_PREFIX}'")
+        raise CheckpointPathError(f"checkpoint tag {tag!r} may not start with '{TEMP_PREFIX}'")
     return tag
 
 
@@ -123,9 +124,11 @@ def write_latest(directory: Path, tag: str) -> None:
 
 def _as_directory(value: object, name: str) -> Path:
     if value is None or (isinstance(value, str) and not value.strip()):
-        raise ValueError(f"{name} must be a directory path, got {value!r}")
+        raise CheckpointPathError(f"{name} must be a directory path, got {value!r}")
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a str or os.PathLike, got {type(value).__name__}")
+        raise CheckpointPathError(
+            f"{name} must be a str or os.PathLike, got {type(value).__name__}"
+        )
     return Path(value)
 
 

@@ -1,11 +1,14 @@
-"""Collective communication: the only importer of `torch.distributed` in zerodp.
+"""Collective communication: zerodp's one way to `torch.distributed`.
 
 `group` sets up the process group from torchrun's environment; `collectives`
-wraps the collectives zerodp uses in typed calls that also count bytes.
+wraps the collectives zerodp uses in typed calls that also count bytes. Only
+`comm/`, `checkpoint/` (DCP), `launch/` (torchrun) and `testing/` may import
+`torch.distributed`; ruff's banned-API rule enforces it (pyproject.toml).
 """
 
 from zerodp.comm.collectives import CollectiveKind, Comm, CommStats, Handle, broadcast_tensors
 from zerodp.comm.group import (
+    current_world_size,
     default_device,
     destroy_process_group_if_owned,
     ensure_process_group,
@@ -18,6 +21,7 @@ __all__ = [
     "CommStats",
     "Handle",
     "broadcast_tensors",
+    "current_world_size",
     "default_device",
     "destroy_process_group_if_owned",
     "ensure_process_group",

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.errors import AGREED_TYPES, AgreedError
+
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -142,28 +144,26 @@ class Comm:
 
     # -- decisions ---------------------------------------------------------------
 
-    def any_true(self, flag: bool, device: torch.device) -> bool:
-        """One agreed answer: True on every rank if `flag` is True on any rank."""
-        if self.world_size == 1:
-            return flag
-        value = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(value.item() > 0)
-
     def raise_if_any_failed(self, error: BaseException | None) -> None:
         """Agree on failure: if any rank has an error, every rank raises (none is left waiting).
 
-        A rank that failed raises its own error; the others raise a ValueError
-        quoting the first failing rank's message.
+        Every rank raises the same type with the same message: the first failing
+        rank's error type (when it is a zerodp or built-in error type, re-created
+        by name, never unpickled; else `AgreedError`) and its message, prefixed
+        with that rank. The failing rank chains its original error as the cause.
         """
-        reports = self.all_gather_object(None if error is None else f"{error}")
-        failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
+        report = None if error is None else (type(error).__name__, f"{error}")
+        reports = self.all_gather_object(report)
+        failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
         if not failed:
             return
+        rank, (type_name, message) = failed[0]
+        agreed_type = AGREED_TYPES.get(type_name, AgreedError)
+        text = f"rank {rank}: {message}" if self.world_size > 1 else message
+        agreed = agreed_type(text)
         if error is not None:
-            raise error
-        rank, message = failed[0]
-        raise ValueError(f"rank {rank} failed: {message}")
+            raise agreed from error
+        raise agreed
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:

@@ -24,6 +24,11 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def current_world_size() -> int:
+    """The default process group's size (it must be set up)."""
+    return dist.get_world_size()
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 

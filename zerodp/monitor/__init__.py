@@ -14,8 +14,9 @@ from zerodp.monitor.events import (
 )
 from zerodp.monitor.memory import (
     ModelStateBytes,
-    engine_model_state_bytes,
+    ModelStateTensors,
     ideal_model_state_bytes,
+    model_state_bytes,
     plain_model_state_bytes,
 )
 from zerodp.monitor.sinks import (
@@ -41,6 +42,7 @@ __all__ = [
     "CSVSink",
     "Event",
     "ModelStateBytes",
+    "ModelStateTensors",
     "Monitor",
     "MonitorSettings",
     "Sink",
@@ -50,8 +52,8 @@ __all__ = [
     "as_events",
     "csv_file_name",
     "eigenvalue_event_name",
-    "engine_model_state_bytes",
     "ideal_model_state_bytes",
     "log_dir",
+    "model_state_bytes",
     "plain_model_state_bytes",
 ]

@@ -10,25 +10,35 @@ the same starting vector, so every rank follows the same iteration.
 
 `stability` guards the normalisation against a zero vector; the iteration
 stops when the relative change of the estimate falls below `tol`.
+
+The work is done at the accumulation boundary, before the optimizer step
+(the weights the loss was computed with are still in place), where the other
+monitors run: `engine.backward` only hands over the boundary's loss, whose
+graph its backward keeps for this purpose (`retain_graph=True`).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
 
 import torch
 from torch import nn
 
 from zerodp.comm import Comm
+from zerodp.config import EigenvalueConfig
 from zerodp.errors import ConfigError
+from zerodp.monitor.events import eigenvalue_event_name
 
 
 class EigenvalueMonitor:
-    def __init__(self, config: Any, module: nn.Module, comm: Comm) -> None:
+    """Estimates each block's top Hessian eigenvalue at the boundaries the config names."""
+
+    def __init__(self, config: EigenvalueConfig, module: nn.Module, comm: Comm) -> None:
         self.config = config
         self.comm = comm
         self.blocks = self._blocks(module, config.layer_name, config.layer_num)
+        self.latest: dict[int, float] = {}  # block -> its latest estimate
+        self._loss: torch.Tensor | None = None  # the boundary's loss, graph retained
 
     @staticmethod
     def _blocks(module: nn.Module, layer_name: str, layer_num: int) -> list[nn.Module]:
@@ -53,9 +63,25 @@ class EigenvalueMonitor:
         resolution = self.config.gas_boundary_resolution
         return at_boundary and (global_steps + 1) % resolution == 0
 
-    def compute(self, loss: torch.Tensor, seed: int) -> list[float]:
-        """One eigenvalue per block; the loss's graph is kept for the backward that follows."""
-        return [self._top_eigenvalue(loss, block, seed + i) for i, block in enumerate(self.blocks)]
+    def keep_loss(self, loss: torch.Tensor) -> None:
+        """The boundary's loss: its backward must retain the graph for `run_pending`."""
+        self._loss = loss
+
+    def run_pending(self, global_steps: int, global_samples: int) -> list[tuple[str, float, int]]:
+        """At the boundary, before the step: estimate from the kept loss; the events to report."""
+        loss, self._loss = self._loss, None
+        if loss is None:
+            return []
+        values = [
+            self._top_eigenvalue(loss, block, global_steps + i)
+            for i, block in enumerate(self.blocks)
+        ]
+        self.latest = dict(enumerate(values))
+        return [(eigenvalue_event_name(b), v, global_samples) for b, v in self.latest.items()]
+
+    def drop_pending(self) -> None:
+        """The window was abandoned (`zero_grad()` before the step): forget the kept loss."""
+        self._loss = None
 
     def _top_eigenvalue(self, loss: torch.Tensor, block: nn.Module, seed: int) -> float:
         params = [p for p in block.parameters() if p.requires_grad]

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from zerodp.engine import ZeroEngine
 
 
 @dataclass(frozen=True)
@@ -52,18 +49,27 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[Any]:
     return [value for state in optimizer.state.values() for value in state.values()]
 
 
-def engine_model_state_bytes(engine: ZeroEngine) -> ModelStateBytes:
+@dataclass(frozen=True)
+class ModelStateTensors:
+    """The tensors of model state one rank holds, by category (views may repeat storage)."""
+
+    params: list[Any]
+    grads: list[Any]
+    optimizer: list[Any]
+
+
+def model_state_bytes(tensors: ModelStateTensors) -> ModelStateBytes:
+    """Bytes per category, each storage counted once (in the first category it appears in)."""
     counter = _StorageCounter()
-    groups = engine.layout.groups
-    managed = {id(p) for g in groups for p in g.params}
-    param_tensors: list[Any] = [g.full for g in groups] + [g.shard for g in groups]
-    param_tensors += [p for p in engine.module.parameters() if id(p) not in managed]
-    params = counter.count(param_tensors)
-    grad_tensors: list[Any] = [g.storage for g in engine.reducer.groups]
-    grad_tensors += [p.grad for p in engine.module.parameters() if p.grad is not None]
-    grads = counter.count(grad_tensors)
-    optimizer = counter.count(_state_tensors(engine.optimizer) + engine.optimizer_extra_state())
+    params = counter.count(tensors.params)
+    grads = counter.count(tensors.grads)
+    optimizer = counter.count(tensors.optimizer)
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Every tensor in an optimizer's per-parameter state (Adam's moments, step counts)."""
+    return _state_tensors(optimizer)
 
 
 def plain_model_state_bytes(

@@ -8,7 +8,8 @@ monitor is enabled and only once per boundary.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,8 +23,17 @@ from zerodp.monitor.events import (
 )
 from zerodp.monitor.sinks import Monitor
 
-if TYPE_CHECKING:
-    from zerodp.engine import ZeroEngine
+
+@dataclass(frozen=True)
+class BoundaryRecord:
+    """What the engine knows at an accumulation boundary, after the optimizer step."""
+
+    global_samples: int  # the x axis of every event (DeepSpeed's "Train/Samples/...")
+    lr: float
+    loss_scale: float
+    grad_norm: float | None
+    train_batch_size: int
+    extra: list[tuple[str, float, int]] = field(default_factory=list)  # e.g. eigenvalues
 
 
 class TrainingReporter:
@@ -42,18 +52,19 @@ class TrainingReporter:
         self._loss_count = 0
         self._window_start = time.perf_counter()
 
-    @property
-    def enabled(self) -> bool:
-        return self.active
-
     def record_loss(self, loss: torch.Tensor) -> None:
-        if not self.enabled:
+        if not self.active:
             return
         value = loss.detach().float()
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
 
-    def on_boundary(self, engine: ZeroEngine, extra: list[tuple[str, float, int]]) -> None:
+    def on_boundary(self, make_record: Callable[[], BoundaryRecord]) -> None:
+        """Report the window that just ended; `make_record` is called only if a monitor writes.
+
+        (Building the record reads values off the device, which would cost a
+        synchronisation on every rank at every step.)
+        """
         now = time.perf_counter()
         elapsed = now - self._window_start
         self._window_start = now
@@ -68,19 +79,19 @@ class TrainingReporter:
         self._loss_count = 0
         if not self.monitor.enabled:
             return
-        step = engine.global_samples
+        record = make_record()
+        step = record.global_samples
         events: list[tuple[str, float, int]] = [
-            (LEARNING_RATE, engine.get_lr()[0], step),
-            (LOSS_SCALE, engine.loss_scale, step),
+            (LEARNING_RATE, record.lr, step),
+            (LOSS_SCALE, record.loss_scale, step),
         ]
         if mean_loss is not None:
             events.append((TRAIN_LOSS, mean_loss, step))
-        norm = engine.get_global_grad_norm()
-        if norm is not None:
-            events.append((GRAD_NORM, norm, step))
+        if record.grad_norm is not None:
+            events.append((GRAD_NORM, record.grad_norm, step))
         if elapsed > 0:
-            events.append((SAMPLES_PER_SEC, engine.train_batch_size() / elapsed, step))
-        self.monitor.write_events(events + extra)
+            events.append((SAMPLES_PER_SEC, record.train_batch_size / elapsed, step))
+        self.monitor.write_events(events + record.extra)
 
     def close(self) -> None:
         self.monitor.close()

@@ -1,36 +1,47 @@
-"""The optimizer users get back: a torch optimizer stepping this rank's shards.
+"""The optimizer users get back: a torch optimizer stepping this rank's owned ranges.
 
-One step: make sure every gradient is reduced, point each shard parameter's
-`.grad` at its averaged gradient, clip by the global norm (over all ranks'
-shards), run the inner torch optimizer on the shards, then make the
-parameters whole again where the stage keeps them whole (an all-gather of
-the updated shards). For fp32 models there is no separate master copy: the
-shards the optimizer steps are views of the parameters' own flat buffers.
+One step: make sure every gradient is reduced, point each optimizer
+parameter's `.grad` at its averaged kept gradient, clip by the global norm
+(over all ranks' shards), run the inner torch optimizer, write optimizer
+copies back into the model, then make the parameters whole again where the
+stage keeps them whole (the parameter runtime's `publish_after_step`). For
+fp32 models there is no optimizer copy: the optimizer parameters alias the
+model's own flat buffers (see [Note: zerodp tensors]).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from zerodp.backward import autograd_api
-from zerodp.backward.reducer import GradientReducer, GroupGradients
+from zerodp.backward.reducer import GradientReducer
+from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm
+from zerodp.group import GroupState
 from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm
-from zerodp.partition import FlatGroup
 from zerodp.precision.loss_scaler import LossScaler
-from zerodp.precision.master import MasterWeights
+from zerodp.torch_internals import init_optimizer_hook_dicts
+from zerodp.train_state import TrainState
+
+
+class ParamPublisher(Protocol):
+    """The parameter runtime, as the optimizer sees it."""
+
+    def publish_after_step(self) -> None:
+        """Make the model's full parameters match the updated owned ranges."""
+        ...
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """Shares `param_groups` and `state` with the inner optimizer (so LR schedulers work).
 
     `Optimizer.__init__` is not called: this object has no parameters of its
-    own, only the inner optimizer's groups, which hold the shard parameters.
+    own, only the inner optimizer's groups, which hold the optimizer
+    parameters of the trainable groups.
     """
 
     def __init__(
@@ -39,38 +50,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         reducer: GradientReducer,
         comm: Comm,
-        shards: list[tuple[GroupGradients, nn.Parameter]],
+        states: list[GroupState],
         sharded_grads: bool,
-        resident_groups: Callable[[], list[FlatGroup]],
+        params: ParamPublisher,
         model_params: list[nn.Parameter],
         gradient_clipping: float,
-        before_step: Callable[[], None],
-        on_zero_grad: Callable[[], None],
+        gate: StepGate,
+        train_state: TrainState,
         loss_scaler: LossScaler | None = None,
-        masters: MasterWeights | None = None,
     ) -> None:
         self.inner = inner
         self.defaults = inner.defaults
         self._reducer = reducer
         self._comm = comm
-        self._shards = shards
+        self._states = states
         self._sharded_grads = sharded_grads
-        self._resident_groups = resident_groups
+        self._params = params
         self._model_params = model_params
         self.gradient_clipping = gradient_clipping
-        self._before_step = before_step
-        self._on_zero_grad = on_zero_grad
+        self._gate = gate
+        self._train_state = train_state
         self.loss_scaler = loss_scaler or LossScaler.none()
-        self._masters = masters
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
-        self.skipped_steps = 0
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        init_optimizer_hook_dicts(self)
 
     # -- shared with the inner optimizer -----------------------------------------------
 
@@ -90,6 +93,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.inner.state = value
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because fp16 gradients overflowed."""
+        return self._train_state.skipped_steps
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (zerodp.checkpoint saves whole checkpoints)."""
         return self.inner.state_dict()
@@ -106,20 +114,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # -- stepping --------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._on_zero_grad()
+        """Zero every gradient zerodp keeps (the same as `engine.zero_grad()`)."""
+        self._gate.zero_grad()
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Check that a step may be taken now, then take it (see `apply_step`)."""
         if closure is not None:
             raise ValueError("zerodp's optimizer does not take a closure; run backward first")
-        self._before_step()
+        self._gate.check_can_step()
+        self.apply_step()
+
+    @torch.no_grad()
+    def apply_step(self) -> None:
+        """One optimizer step on the averaged gradients; the caller has checked it may run."""
         if self._reducer.any_local:
             self._reducer.reduce_local()
         grads = []
-        for group_grads, shard in self._shards:
-            grad = self._reducer.owned_grad(group_grads)
-            shard.grad = grad if grad.dtype == shard.dtype else grad.to(shard.dtype)
-            grads.append(shard.grad)
+        for state in self._states:
+            param, kept = state.optim, state.grads
+            if param is None or kept is None:  # pragma: no cover - trainable groups have both
+                raise RuntimeError(f"internal error: {state} is trainable but incomplete")
+            grad = kept.owned()
+            param.param.grad = grad if grad.dtype == param.param.dtype else grad.to(param.param)
+            grads.append(param.param.grad)
         scaler = self.loss_scaler
         if scaler.scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / scaler.scale)
@@ -132,34 +149,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             scaler.update(overflow)
             if overflow:
                 self.last_step_skipped = True
-                self.skipped_steps += 1
-                self._drop_shard_grads()
+                self._train_state.skipped_steps += 1
+                self._drop_grads()
                 return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
         self.inner.step()
-        self._drop_shard_grads()
-        if self._masters is not None:
-            self._masters.copy_to_model()
-        self._publish()
-        autograd_api.increment_version(self._model_params)
+        self._drop_grads()
+        self.sync_params_from_owned()
 
     @torch.no_grad()
     def sync_params_from_owned(self) -> None:
-        """Make the model's parameters match the owned ranges (after loading a checkpoint)."""
-        if self._masters is not None:
-            self._masters.copy_to_model()
-        self._publish()
+        """Make the model's parameters match the owned ranges (after a step or a load)."""
+        for state in self._states:
+            if state.optim is not None:
+                state.optim.copy_to_model()
+        self._params.publish_after_step()
         autograd_api.increment_version(self._model_params)
 
-    def _drop_shard_grads(self) -> None:
-        for _, shard in self._shards:
-            shard.grad = None
-
-    def _publish(self) -> None:
-        """Make resident full parameters match the updated shards (one all-gather each)."""
-        handles = [
-            self._comm.all_gather(group.full, group.shard, async_op=True)
-            for group in self._resident_groups()
-        ]
-        for handle in handles:
-            handle.wait()
+    def _drop_grads(self) -> None:
+        for state in self._states:
+            if state.optim is not None:
+                state.optim.param.grad = None

@@ -25,54 +25,37 @@ from zerodp.backward.reducer import FullReduce, GradStorage, ReductionPlan
 class StageStrategy:
     stage: int
     reduction: ReductionPlan
+    optimizer_owns_full_group: bool  # stage 0: each rank steps whole groups
     shards_optimizer_state: bool
     shards_params: bool  # stage 3: full parameters exist only while in use
     gathers_params_after_step: bool  # stages 1, 2 (and stage 3's persistent parameters)
 
-    @property
-    def name(self) -> str:
-        return f"ZeRO stage {self.stage}"
+
+def _plan(storage: GradStorage, full_reduce: FullReduce, stage: int) -> ReductionPlan:
+    return ReductionPlan(
+        storage=storage,
+        full_reduce=full_reduce,
+        defer_to_boundary=storage is GradStorage.FULL,
+        expose_param_grads=stage == 0,
+    )
 
 
 def strategy_for(stage: int) -> StageStrategy:
     if stage == 0:
         return StageStrategy(
             stage=0,
-            reduction=ReductionPlan(
-                storage=GradStorage.FULL,
-                full_reduce=FullReduce.ALL_REDUCE,
-                defer_to_boundary=True,
-                expose_param_grads=True,
-                optimizer_owns_full_group=True,
-            ),
+            reduction=_plan(GradStorage.FULL, FullReduce.ALL_REDUCE, stage),
+            optimizer_owns_full_group=True,
             shards_optimizer_state=False,
             shards_params=False,
             gathers_params_after_step=False,
         )
-    if stage == 1:
-        return StageStrategy(
-            stage=1,
-            reduction=ReductionPlan(
-                storage=GradStorage.FULL,
-                full_reduce=FullReduce.REDUCE_SCATTER,
-                defer_to_boundary=True,
-                expose_param_grads=False,
-                optimizer_owns_full_group=False,
-            ),
-            shards_optimizer_state=True,
-            shards_params=False,
-            gathers_params_after_step=True,
-        )
-    if stage in (2, 3):
+    if stage in (1, 2, 3):
+        storage = GradStorage.FULL if stage == 1 else GradStorage.SHARD
         return StageStrategy(
             stage=stage,
-            reduction=ReductionPlan(
-                storage=GradStorage.SHARD,
-                full_reduce=FullReduce.REDUCE_SCATTER,
-                defer_to_boundary=False,
-                expose_param_grads=False,
-                optimizer_owns_full_group=False,
-            ),
+            reduction=_plan(storage, FullReduce.REDUCE_SCATTER, stage),
+            optimizer_owns_full_group=False,
             shards_optimizer_state=True,
             shards_params=stage == 3,
             gathers_params_after_step=True,

@@ -1,8 +1,9 @@
 """When stage 3 groups are gathered and released.
 
-The coordinator owns every `ShardedGroup` and is told what happens by the
-module hooks (`zerodp.params.module_hooks`), the saved-tensor hooks, the
-parameters themselves (`ZeroParameter`) and the backward lifecycle:
+The coordinator decides for every sharded group (`GroupState.gather`) and is
+told what happens by the module hooks (`zerodp.params.module_hooks`), the
+saved-tensor hooks, the parameters themselves (`ZeroParameter`) and the
+backward lifecycle:
 
 - forward: a module's groups are gathered before it runs and held until it
   returns; a group the module uses that belongs to another module (a parent
@@ -16,7 +17,8 @@ parameters themselves (`ZeroParameter`) and the backward lifecycle:
   not release: the backward about to run needs the parameters.
 
 Only groups nobody holds are released. `live_numel` counts gathered
-elements, `peak_live_numel` its maximum since `reset_peak()`.
+elements (kept by `_count_in`/`_release`, the only places that change a
+group's allocation); `peak_live_numel` is its maximum since `reset_peak()`.
 """
 
 from __future__ import annotations
@@ -30,73 +32,67 @@ from torch import nn
 
 from zerodp.backward import autograd_api
 from zerodp.errors import ParamStateError
+from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.prefetch import ExecutionTrace
-from zerodp.params.sharded_group import ShardedGroup
-from zerodp.params.status import ParamStatus
-from zerodp.partition import FlatGroup
+from zerodp.torch_internals import storage_key
 
 
 @dataclass
 class _Scope:
     module: nn.Module
     in_backward: bool
-    held: list[ShardedGroup] = field(default_factory=list)
+    held: list[GroupState] = field(default_factory=list)
+
+
+def _gather_of(state: GroupState) -> GatherState:
+    gather = state.gather
+    if gather is None:  # pragma: no cover - the coordinator only holds sharded groups
+        raise RuntimeError(f"internal error: {state} is not sharded")
+    return gather
 
 
 class ParamCoordinator:
+    """Gathers and releases the sharded groups of one engine, prefetching in recorded order."""
+
     def __init__(
         self,
-        groups: list[ShardedGroup],
-        module_groups: dict[nn.Module, list[ShardedGroup]],
+        index: GroupIndex,
+        module_groups: dict[nn.Module, list[GroupState]],
         *,
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int = 0,
     ) -> None:
-        self.groups = groups
+        self.index = index
+        self.states = index.sharded
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
-        self._by_param: dict[int, ShardedGroup] = {}
-        self._by_flat: dict[int, ShardedGroup] = {}
-        self._by_storage: dict[int, ShardedGroup] = {}
-        for group in groups:
-            self._by_flat[id(group.flat)] = group
-            for param in group.flat.params:
-                self._by_param[id(param)] = group
-            if not group.persistent:
-                self._by_storage[group.flat.storage_key()] = group
-        self._module_groups = {id(m): list(gs) for m, gs in module_groups.items()}
-        self._external: dict[int, list[ShardedGroup]] = {}
+        self._by_storage = {storage_key(s.flat.full): s for s in self.states}
+        self._module_groups = {m: list(states) for m, states in module_groups.items()}
+        self._external: dict[nn.Module, list[GroupState]] = {}
         self._scopes: list[_Scope] = []
         self.live_numel = 0
         self.peak_live_numel = 0
         self.num_prefetched = 0  # groups gathered ahead of their use
-        self.forward_trace: ExecutionTrace[ShardedGroup] = ExecutionTrace()
-        self.backward_trace: ExecutionTrace[ShardedGroup] = ExecutionTrace()
-        self._backward_head: set[int] = set()  # groups the backward uses first
+        self.forward_trace: ExecutionTrace[GroupState] = ExecutionTrace()
+        self.backward_trace: ExecutionTrace[GroupState] = ExecutionTrace()
+        self._backward_head: set[GroupState] = set()  # groups the backward uses first
 
     # -- queries -------------------------------------------------------------------
 
-    def group_of(self, param: nn.Parameter) -> ShardedGroup | None:
-        return self._by_param.get(id(param))
+    def state_of_storage(self, key: int) -> GroupState | None:
+        """The sharded group whose full buffer has this storage (see `storage_key`)."""
+        return self._by_storage.get(key)
 
-    def group_of_storage(self, storage_key: int) -> ShardedGroup | None:
-        return self._by_storage.get(storage_key)
-
-    def status(self, param: nn.Parameter) -> ParamStatus:
-        group = self._by_param.get(id(param))
-        return ParamStatus.AVAILABLE if group is None else group.status
-
-    def groups_of_module(self, module: nn.Module) -> list[ShardedGroup]:
-        key = id(module)
-        direct = self._module_groups.get(key, [])
-        external = self._external.get(key)
+    def groups_of_module(self, module: nn.Module) -> list[GroupState]:
+        direct = self._module_groups.get(module, [])
+        external = self._external.get(module)
         return direct + external if external else direct
 
     def has_groups(self, module: nn.Module) -> bool:
-        return bool(self._module_groups.get(id(module)) or self._external.get(id(module)))
+        return bool(self._module_groups.get(module) or self._external.get(module))
 
     def reset_peak(self) -> None:
         self.peak_live_numel = self.live_numel
@@ -104,7 +100,7 @@ class ParamCoordinator:
     # -- forward -------------------------------------------------------------------
 
     def begin_forward(self) -> None:
-        self._release_unheld()  # what a forward kept for a backward that never came
+        self.release_unheld()  # what a forward kept for a backward that never came
         self.forward_trace.begin_pass()
         self._backward_head = self._first_backward_groups()
 
@@ -114,42 +110,42 @@ class ParamCoordinator:
         The groups a forward ends with (an output layer, an embedding tied to it) are the
         ones its backward starts with: when a backward can follow (grad mode on), groups
         within the backward's first `stage3_prefetch_bucket_size` elements stay gathered
-        instead of being released and gathered straight back. `release_all()` (at
+        instead of being released and gathered straight back. `release_unheld()` (at
         `step()`, the next forward, or the backward's end) lets them go.
         """
         self.forward_trace.end_pass()
         # Until a backward has been recorded, expect it to run the forward in reverse, so
         # that the first backward prefetches like every later one.
         self.backward_trace.seed(self.forward_trace.recorded[::-1])
-        keep = self._backward_head if backward_follows else set()
-        for group in self.groups:
-            if id(group) not in keep or self.live_numel > self.max_live_numel:
-                self._release(group)
+        for state in self.states:
+            if not (backward_follows and self._keeps_for_backward(state, upcoming=[])):
+                self._release(state)
 
-    def release_all(self) -> None:
+    def release_unheld(self) -> None:
         """Release every group nobody holds (before an optimizer step, for instance)."""
-        self._release_unheld()
+        for state in self.states:
+            self._release(state)
 
-    def _first_backward_groups(self) -> set[int]:
-        kept: set[int] = set()
+    def _first_backward_groups(self) -> set[GroupState]:
+        kept: set[GroupState] = set()
         budget = self.prefetch_numel
-        for group in self.backward_trace.recorded:
+        for state in self.backward_trace.recorded:
             if budget <= 0:
                 break
-            if id(group) not in kept:
-                kept.add(id(group))
-                budget -= group.numel
+            if state not in kept:
+                kept.add(state)
+                budget -= _gather_of(state).numel
         return kept
 
     def pre_forward(self, module: nn.Module) -> None:
         scope = _Scope(module, in_backward=autograd_api.in_backward())
         self._scopes.append(scope)
         trace = self.backward_trace if scope.in_backward else self.forward_trace
-        for group in self.groups_of_module(module):
-            self._gather(group, trace)
+        for state in self.groups_of_module(module):
+            self._gather(state, trace)
             if not scope.in_backward:
-                group.holds += 1
-                scope.held.append(group)
+                _gather_of(state).hold()
+                scope.held.append(state)
 
     def post_forward(self, module: nn.Module) -> None:
         if not self._scopes or self._scopes[-1].module is not module:
@@ -158,9 +154,9 @@ class ParamCoordinator:
         if not self._scopes:
             return
         scope = self._scopes.pop()
-        for group in scope.held:
-            group.holds -= 1
-            self._release_unless_reused(group, self.forward_trace)
+        for state in scope.held:
+            _gather_of(state).unhold()
+            self._release_unless_reused(state, self.forward_trace)
 
     # -- backward ------------------------------------------------------------------
 
@@ -168,35 +164,35 @@ class ParamCoordinator:
         self.backward_trace.begin_pass()
 
     def pre_backward(self, module: nn.Module) -> None:
-        for group in self.groups_of_module(module):
-            self._gather(group, self.backward_trace)
+        for state in self.groups_of_module(module):
+            self._gather(state, self.backward_trace)
 
     def post_backward(self, module: nn.Module) -> None:
-        for group in self.groups_of_module(module):
-            self._release_unless_reused(group, self.backward_trace)
+        for state in self.groups_of_module(module):
+            self._release_unless_reused(state, self.backward_trace)
 
-    def on_grads_complete(self, flat: FlatGroup) -> None:
-        group = self._by_flat.get(id(flat))
-        if group is not None:
-            self._release(group)
+    def on_grads_complete(self, state: GroupState) -> None:
+        """Every parameter of `state` has its gradient for this task: it can go."""
+        if state.gather is not None:
+            self._release(state)
 
     def end_backward(self) -> None:
         self.backward_trace.end_pass()
-        self._release_unheld()
+        self.release_unheld()
 
     def abort(self) -> None:
         """A forward or backward died part-way: release everything, forget all scopes."""
         self._scopes.clear()
-        for group in self.groups:
-            group.holds = 0
-        self._release_unheld()
+        for state in self.states:
+            _gather_of(state).drop_holds()
+        self.release_unheld()
 
     # -- gathering on use ------------------------------------------------------------
 
     def before_use(self, param: nn.Parameter, func: Callable[..., Any]) -> None:
         """A torch operation is about to read `param` (called by ZeroParameter)."""
-        group = self._by_param.get(id(param))
-        if group is None:
+        state = self.index.state_of(param)
+        if state is None or state.gather is None:
             return
         if zero_parameter.is_data_property(func) and getattr(func, "__name__", "") == "__set__":
             raise ParamStateError(
@@ -204,74 +200,96 @@ class ParamCoordinator:
                 "shard; write into it instead (`param.copy_(value)` inside "
                 "zerodp.zero.GatheredParameters([param], modifier_rank=0))"
             )
-        if group.status is ParamStatus.AVAILABLE:
+        if state.gather.status is ParamStatus.AVAILABLE:
             return
         if self._scopes:
             scope = self._scopes[-1]
-            self._gather(group, trace=None)
+            self._gather(state, trace=None)
             if not scope.in_backward:
-                group.holds += 1
-                scope.held.append(group)
-                self._remember_external(scope.module, group)
+                state.gather.hold()
+                scope.held.append(state)
+                self._remember_external(scope.module, state)
             return
         if autograd_api.in_backward():
-            self._gather(group, trace=None)
+            self._gather(state, trace=None)
             return
-        position = next(i for i, p in enumerate(group.flat.params) if p is param)
+        name = state.names[state.flat.position_of(param)]
         raise ParamStateError(
-            f"parameter '{group.flat.names[position]}' is sharded by "
-            "ZeRO stage 3 and is not gathered outside the model's forward and backward; "
-            "read or modify it inside `with zerodp.zero.GatheredParameters([param]):` "
-            "(every rank must enter it), or use zerodp.utils.safe_get_full_fp32_param"
+            f"parameter '{name}' is sharded by ZeRO stage 3 and is not gathered outside the "
+            "model's forward and backward; read or modify it inside "
+            "`with zerodp.zero.GatheredParameters([param]):` (every rank must enter it), or "
+            "use zerodp.utils.safe_get_full_fp32_param"
         )
 
-    def ensure_available_for_unpack(self, group: ShardedGroup) -> None:
-        """Autograd unpacks a saved tensor that shares `group`'s storage."""
-        if group.status is not ParamStatus.AVAILABLE:
-            self._gather(group, trace=None)
+    def ensure_available_for_unpack(self, state: GroupState) -> None:
+        """Autograd unpacks a saved tensor that shares `state`'s full storage."""
+        if _gather_of(state).status is not ParamStatus.AVAILABLE:
+            self._gather(state, trace=None)
 
     # -- held blocks (GatheredParameters) ---------------------------------------------
 
-    def hold(self, group: ShardedGroup) -> None:
-        self._gather(group, trace=None)
-        group.holds += 1
+    def group_of(self, param: nn.Parameter) -> GroupState | None:
+        state = self.index.state_of(param)
+        return state if state is not None and state.gather is not None else None
 
-    def unhold(self, group: ShardedGroup) -> None:
-        group.holds = max(0, group.holds - 1)
-        self._release(group)
+    def hold(self, state: GroupState) -> None:
+        self._gather(state, trace=None)
+        _gather_of(state).hold()
+
+    def unhold(self, state: GroupState) -> None:
+        _gather_of(state).unhold()
+        self._release(state)
+
+    def gather_all(self) -> None:
+        """Gather every group (the engine is being torn down, parameters become whole)."""
+        for state in self.states:
+            self._gather(state, trace=None)
 
     # -- internals -----------------------------------------------------------------
 
-    def _gather(self, group: ShardedGroup, trace: ExecutionTrace[ShardedGroup] | None) -> None:
-        if group.status is ParamStatus.NOT_AVAILABLE:
-            self._count_in(group)
-            group.to_inflight()
-        upcoming = trace.request(group) if trace is not None else []
+    def _gather(self, state: GroupState, trace: ExecutionTrace[GroupState] | None) -> None:
+        gather = _gather_of(state)
+        if gather.status is ParamStatus.NOT_AVAILABLE:
+            self._count_in(gather)
+            gather.to_inflight()
+        upcoming = trace.request(state) if trace is not None else []
         if upcoming:
             self._prefetch(upcoming)
-        group.to_available()
+        gather.to_available()
 
-    def _prefetch(self, upcoming: list[ShardedGroup]) -> None:
+    def _prefetch(self, upcoming: list[GroupState]) -> None:
         budget = self.prefetch_numel
-        seen: set[int] = set()
-        for group in upcoming:
+        seen: set[GroupState] = set()
+        for state in upcoming:
             if budget <= 0:
                 return
-            if id(group) in seen:
+            if state in seen:
                 continue
-            seen.add(id(group))
-            if group.status is not ParamStatus.NOT_AVAILABLE:
+            seen.add(state)
+            gather = _gather_of(state)
+            if gather.status is not ParamStatus.NOT_AVAILABLE:
                 continue
-            if self.live_numel + group.numel > self.max_live_numel:
+            if self.live_numel + gather.numel > self.max_live_numel:
                 return
-            self._count_in(group)
-            group.to_inflight()
+            self._count_in(gather)
+            gather.to_inflight()
             self.num_prefetched += 1
-            budget -= group.numel
+            budget -= gather.numel
 
-    def _release_unless_reused(
-        self, group: ShardedGroup, trace: ExecutionTrace[ShardedGroup]
-    ) -> None:
+    def _keeps_for_backward(self, state: GroupState, upcoming: list[GroupState]) -> bool:
+        """Whether the backward about to follow starts with `state` (so it stays gathered).
+
+        The one rule for "the backward's head": `state` is among the groups the
+        recorded backward uses first, what the forward still has to run fits in the
+        prefetch budget, and the live cap leaves room.
+        """
+        return (
+            state in self._backward_head
+            and self.live_numel <= self.max_live_numel
+            and sum(_gather_of(s).numel for s in upcoming) <= self.prefetch_numel
+        )
+
+    def _release_unless_reused(self, state: GroupState, trace: ExecutionTrace[GroupState]) -> None:
         """Keep a group the rest of this pass uses again within `max_reuse_distance`.
 
         Tied weights (an embedding reused as the output layer) and modules called
@@ -279,47 +297,43 @@ class ParamCoordinator:
         elements other groups gather in between. The pass's end releases it.
         """
         if self.live_numel > self.max_live_numel:
-            self._release(group)  # over stage3_max_live_parameters: keep nothing extra
+            self._release(state)  # over stage3_max_live_parameters: keep nothing extra
             return
         distance = 0
         upcoming = trace.upcoming()
         for later in upcoming:
-            if later is group:
+            if later is state:
                 return
-            distance += later.numel
+            distance += _gather_of(later).numel
             if distance > self.max_reuse_distance:
                 break
         if (
             trace is self.forward_trace
             and torch.is_grad_enabled()
-            and id(group) in self._backward_head
-            and sum(g.numel for g in upcoming) <= self.prefetch_numel
+            and self._keeps_for_backward(state, upcoming)
         ):
             return  # the forward is ending and its backward starts with this group
-        self._release(group)
+        self._release(state)
 
-    def _release(self, group: ShardedGroup) -> None:
-        if group.release_if_unused():
-            self.live_numel -= group.numel
+    def _release(self, state: GroupState) -> None:
+        gather = _gather_of(state)
+        if gather.release_if_unused():
+            self.live_numel -= gather.numel
 
-    def _release_unheld(self) -> None:
-        for group in self.groups:
-            self._release(group)
-
-    def _count_in(self, group: ShardedGroup) -> None:
-        self.live_numel += group.numel
+    def _count_in(self, gather: GatherState) -> None:
+        self.live_numel += gather.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
-    def _remember_external(self, module: nn.Module, group: ShardedGroup) -> None:
-        if group in self._module_groups.get(id(module), []):
+    def _remember_external(self, module: nn.Module, state: GroupState) -> None:
+        if state in self._module_groups.get(module, []):
             return
-        external = self._external.setdefault(id(module), [])
-        if group not in external:
-            external.append(group)
+        external = self._external.setdefault(module, [])
+        if state not in external:
+            external.append(state)
 
     def _unwind_to(self, module: nn.Module) -> None:
         while self._scopes and self._scopes[-1].module is not module:
             scope = self._scopes.pop()
-            for group in scope.held:
-                group.holds -= 1
-                self._release(group)
+            for state in scope.held:
+                _gather_of(state).unhold()
+                self._release(state)

@@ -30,12 +30,11 @@ from torch.utils.hooks import RemovableHandle
 
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.config import load_config
+from zerodp.errors import ParamStateError
+from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
-from zerodp.params.sharded_group import ShardedGroup
-from zerodp.params.status import ParamStatus
 from zerodp.partition import FlatGroup
-
-_NEXT_GROUP_INDEX = [10_000_000]  # Init groups sort after nothing in particular; unique ids
+from zerodp.torch_internals import direct_parameter_items
 
 
 class Init:
@@ -52,7 +51,7 @@ class Init:
         self.persistence_threshold = persistence_threshold
         self._handles: list[RemovableHandle] = []
         self._owner: InitOwner | None = None
-        self._registered: dict[int, nn.Module] = {}  # modules that registered a parameter
+        self._registered: dict[nn.Module, None] = {}  # modules that registered a parameter
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -85,7 +84,7 @@ class Init:
             handle.remove()
         self._handles = []
         if exc_type is None and self._owner is not None:
-            for module in list(self._registered.values()):
+            for module in list(self._registered):
                 self._shard_module(module)
             self._owner.flush_dirty()
         self._registered.clear()
@@ -94,12 +93,12 @@ class Init:
 
     def _on_parameter(self, module: nn.Module, name: str, param: Any) -> None:
         if param is not None:
-            self._registered[id(module)] = module
+            self._registered[module] = None
 
     def _on_submodule(self, parent: nn.Module, name: str, child: Any) -> None:
         if isinstance(child, nn.Module):
             for module in child.modules():
-                if id(module) in self._registered:
+                if module in self._registered:
                     self._shard_module(module)
 
     def _shard_module(self, module: nn.Module) -> None:
@@ -107,15 +106,15 @@ class Init:
         if owner is None:
             return
         large: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
-        for name, param in module._parameters.items():
-            if param is None or zero_parameter.owner_of(param) is not None:
+        for name, param in direct_parameter_items(module):
+            if zero_parameter.owner_of(param) is not None:
                 continue
             if param.numel() < max(1, self.persistence_threshold or 0):
                 continue
             large.setdefault((param.dtype, param.requires_grad), []).append((name, param))
         for members in large.values():
             owner.shard([p for _, p in members], [n for n, _ in members])
-        self._registered.pop(id(module), None)
+        self._registered.pop(module, None)
 
 
 class InitOwner:
@@ -124,84 +123,92 @@ class InitOwner:
     def __init__(self, comm: Comm, device: torch.device) -> None:
         self.comm = comm
         self.device = device
-        self.groups: dict[int, ShardedGroup] = {}  # id(param) -> its group
-        self._dirty: list[ShardedGroup] = []
+        self.index = GroupIndex()
+        self._dirty: list[GroupState] = []
 
-    def shard(self, params: list[nn.Parameter], names: list[str]) -> ShardedGroup:
-        _NEXT_GROUP_INDEX[0] += 1
+    def shard(self, params: list[nn.Parameter], names: list[str]) -> GroupState:
         flat = FlatGroup(
-            index=_NEXT_GROUP_INDEX[0],
             params=params,
             names=names,
             world_size=self.comm.world_size,
             rank=self.comm.rank,
             device=self.device,
             param_group_index=-1,
-            separate_shard=True,
+            persistent=False,
         )
         self.comm.broadcast(flat.full, src=0)
         flat.take_shard_from_full()
-        group = ShardedGroup(flat, self.comm, persistent=False)
+        # Groups are numbered in creation order, the same on every rank.
+        state = GroupState(flat, order=len(self.index), gather=GatherState(flat, self.comm))
+        self.index.add(state)
         for param in params:
-            self.groups[id(param)] = group
             zero_parameter.adopt(param, self)
-        return group
+        return state
 
     # -- the ParamOwner protocol -----------------------------------------------------------
 
-    def group_of(self, param: nn.Parameter) -> ShardedGroup | None:
-        return self.groups.get(id(param))
+    def group_of(self, param: nn.Parameter) -> GroupState | None:
+        return self.index.state_of(param)
 
-    def hold(self, group: ShardedGroup) -> None:
-        group.to_available()
-        group.holds += 1
+    def hold(self, state: GroupState) -> None:
+        gather = _gather_of(state)
+        gather.to_available()
+        gather.hold()
 
-    def unhold(self, group: ShardedGroup) -> None:
-        group.holds = max(0, group.holds - 1)
-        group.release_if_unused()
+    def unhold(self, state: GroupState) -> None:
+        gather = _gather_of(state)
+        gather.unhold()
+        gather.release_if_unused()
 
     def before_use(
         self, param: nn.Parameter, func: Callable[..., Any]
     ) -> Callable[[], None] | None:
-        group = self.groups.get(id(param))
-        if group is None:
+        state = self.index.state_of(param)
+        if state is None:
             return None
+        gather = _gather_of(state)
         if zero_parameter.is_data_property(func):
             if getattr(func, "__name__", "") == "__set__":
-                raise ValueError(
+                raise ParamStateError(
                     "assigning `.data` of a parameter sharded by zerodp.zero.Init is not "
                     "supported; write into it instead (e.g. `param.copy_(value)`)"
                 )
-            self.hold(group)  # the alias escapes: keep it gathered until Init ends
-            self._dirty.append(group)
+            self.hold(state)  # the alias escapes: keep it gathered until Init ends
+            self._dirty.append(state)
             return None
-        if group.holds > 0 or group.status is ParamStatus.AVAILABLE:
+        if gather.holds > 0 or gather.status is ParamStatus.AVAILABLE:
             return None
-        self.hold(group)
+        self.hold(state)
         writes = zero_parameter.is_in_place(func)
 
         def after() -> None:
             if writes:
-                self._publish(group)
-            self.unhold(group)
+                self._publish(state)
+            self.unhold(state)
 
         return after
 
     def flush_dirty(self) -> None:
-        for group in self._dirty:
-            self._publish(group)
-            self.unhold(group)
+        for state in self._dirty:
+            self._publish(state)
+            self.unhold(state)
         self._dirty = []
 
-    def _publish(self, group: ShardedGroup) -> None:
+    def _publish(self, state: GroupState) -> None:
         """Rank 0's values win (as at construction); every rank keeps its shard."""
-        self.comm.broadcast(group.flat.full, src=0)
-        group.flat.take_shard_from_full()
+        self.comm.broadcast(state.flat.full, src=0)
+        state.flat.take_shard_from_full()
 
 
-def init_groups(module: nn.Module) -> list[ShardedGroup]:
+def _gather_of(state: GroupState) -> GatherState:
+    if state.gather is None:  # pragma: no cover - Init only makes sharded groups
+        raise RuntimeError(f"internal error: {state} is not sharded")
+    return state.gather
+
+
+def init_groups(module: nn.Module) -> list[GroupState]:
     """The groups `Init` sharded for `module`'s parameters, in parameter order."""
-    found: list[ShardedGroup] = []
+    found: list[GroupState] = []
     for param in module.parameters():
         owner = zero_parameter.owner_of(param)
         if isinstance(owner, InitOwner):
@@ -227,8 +234,8 @@ def adopt_init_groups(
     """
     present = {id(p) for p in module.parameters()}
     kept: list[FlatGroup] = []
-    for group in init_groups(module):
-        params = group.flat.params
+    for state in init_groups(module):
+        params = state.params
         same_group = len({trainable_groups.get(id(p), -1) for p in params}) == 1
         keep = (
             keep_sharded
@@ -237,9 +244,9 @@ def adopt_init_groups(
             and all(p.numel() >= persistence_threshold for p in params)
         )
         if not keep:
-            group.to_available()
+            _gather_of(state).to_available()
         for param in params:
             zero_parameter.release(param)
         if keep:
-            kept.append(group.flat)
+            kept.append(state.flat)
     return kept

@@ -1,8 +1,9 @@
 """Stage 3 hooks on every module: gather before use, release after, in forward and backward.
 
 - forward pre-hook: the module's groups are gathered and held; in a forward
-  re-run inside backward (activation checkpointing), the backward lifecycle is
-  told first. A multi-grad hook on the module's inputs marks its post-backward.
+  re-run inside backward (activation checkpointing), the backward lifecycle
+  observes first (every hook here goes through `BackwardLifecycle.hook`). A
+  multi-grad hook on the module's inputs marks its post-backward.
 - forward post-hook (also when forward raises): the holds are dropped; a
   multi-grad hook on the outputs marks the module's pre-backward.
 - the root module also installs the saved-tensor hooks for the forward and
@@ -25,6 +26,8 @@ from zerodp.params.saved_tensors import SavedTensorGatherer
 
 
 class Stage3ModuleHooks:
+    """Forward pre/post hooks on every module of one model, and the backward hooks they add."""
+
     def __init__(
         self,
         root: nn.Module,
@@ -37,11 +40,14 @@ class Stage3ModuleHooks:
         self.lifecycle = lifecycle
         self.saved_tensors = saved_tensors
         self._root_pushed: list[bool] = []
+        self._pre_backward = lifecycle.hook(coordinator.pre_backward)
+        self._post_backward = lifecycle.hook(coordinator.post_backward)
 
     def install(self) -> list[RemovableHandle]:
         handles = []
+        pre_forward = self.lifecycle.hook(self._pre_forward)
         for module in self.root.modules():
-            handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
             handles.append(
                 module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
             )
@@ -50,10 +56,7 @@ class Stage3ModuleHooks:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        in_backward = autograd_api.in_backward()
-        if in_backward:
-            self.lifecycle.observe()
-        elif module is self.root:
+        if module is self.root and not autograd_api.in_backward():
             self._root_pushed.append(self.saved_tensors.push_if_possible())
             self.coordinator.begin_forward()
         self.coordinator.pre_forward(module)
@@ -84,11 +87,3 @@ class Stage3ModuleHooks:
             self.coordinator.end_forward(backward_follows=torch.is_grad_enabled())
             if self._root_pushed and self._root_pushed.pop():
                 self.saved_tensors.pop()
-
-    def _pre_backward(self, module: nn.Module) -> None:
-        self.lifecycle.observe()
-        self.coordinator.pre_backward(module)
-
-    def _post_backward(self, module: nn.Module) -> None:
-        self.lifecycle.observe()
-        self.coordinator.post_backward(module)

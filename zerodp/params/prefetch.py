@@ -22,12 +22,21 @@ T = TypeVar("T")
 
 
 class TracePhase(enum.Enum):
+    """What a trace does with the next request.
+
+    RECORDING: it notes the order (first pass, or the pass after a divergence).
+    REPLAYING: it compares each request with the recording and prefetches ahead.
+    DIVERGED: this pass left the recording; no prefetching until the next pass.
+    """
+
     RECORDING = "recording"
     REPLAYING = "replaying"
     DIVERGED = "diverged"
 
 
 class ExecutionTrace(Generic[T]):
+    """The order of one kind of pass (forward or backward), recorded once and replayed."""
+
     def __init__(self) -> None:
         self.phase = TracePhase.RECORDING
         self._recorded: list[T] = []

@@ -1,4 +1,14 @@
-"""Stage 3, wired: sharded groups, their coordinator, the hooks that drive it."""
+"""The parameter side of an engine: stage 3's gather-on-use runtime, or its null object.
+
+Both classes have one surface, so the engine, the optimizer and the public
+`zerodp.zero` functions never ask which stage they are at:
+
+- `ResidentParams` (stages 0-2): every parameter is whole all the time;
+  after a step the updated shards are all-gathered (stages 1, 2);
+- `Stage3Runtime`: sharded groups, their coordinator and the hooks that drive
+  it; after a step only what is gathered then (persistent groups, and groups
+  a `GatheredParameters` block holds) is refreshed.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +17,57 @@ from torch.utils.hooks import RemovableHandle
 
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.comm import Comm
+from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.module_hooks import Stage3ModuleHooks
 from zerodp.params.saved_tensors import SavedTensorGatherer
-from zerodp.params.sharded_group import ShardedGroup
-from zerodp.params.status import ParamStatus
-from zerodp.partition import FlatGroup
-from zerodp.partition.builder import ModelLayout
+
+
+def all_gather_full(states: list[GroupState], comm: Comm) -> None:
+    """Make each group's full buffer match every rank's (updated) shard, all in flight at once."""
+    handles = [comm.all_gather(s.flat.full, s.flat.shard, async_op=True) for s in states]
+    for handle in handles:
+        handle.wait()
+
+
+class ResidentParams:
+    """Stages 0-2: parameters stay whole; the stage 3 surface, doing only what applies."""
+
+    def __init__(self, index: GroupIndex, comm: Comm, *, publish_after_step: bool) -> None:
+        self.index = index
+        self.comm = comm
+        self._publishes = publish_after_step  # stage 0 steps whole groups: nothing to gather
+
+    def status(self, param: nn.Parameter) -> ParamStatus:
+        return ParamStatus.AVAILABLE
+
+    @property
+    def sharded_states(self) -> list[GroupState]:
+        return []
+
+    def release_all(self) -> None:
+        """Nothing is gathered on demand at stages 0-2."""
+
+    def on_grads_complete(self, state: GroupState) -> None:
+        """Nothing to release once a group's gradients are in."""
+
+    def publish_after_step(self) -> None:
+        if self._publishes:
+            all_gather_full(self.index.trainable, self.comm)
+
+    def teardown(self) -> None:
+        """Parameters are plain and whole already."""
 
 
 class Stage3Runtime:
+    """Sharded groups gathered while in use: coordinator, module hooks, saved-tensor hooks."""
+
     def __init__(
         self,
         root: nn.Module,
-        layout: ModelLayout,
+        index: GroupIndex,
+        module_params: dict[nn.Module, list[nn.Parameter]],
         comm: Comm,
         lifecycle: BackwardLifecycle,
         *,
@@ -29,31 +75,25 @@ class Stage3Runtime:
         max_live_numel: int,
         max_reuse_distance: int,
     ) -> None:
-        self.sharded = [
-            ShardedGroup(flat, comm, persistent)
-            for flat, persistent in zip(layout.groups, layout.persistent, strict=True)
-        ]
-        by_flat = {id(g.flat): g for g in self.sharded}
-        module_groups: dict[nn.Module, list[ShardedGroup]] = {}
-        for module, direct in layout.module_params.items():
-            groups: list[ShardedGroup] = []
+        self.index = index
+        self.comm = comm
+        module_groups: dict[nn.Module, list[GroupState]] = {}
+        for module, direct in module_params.items():
+            states: list[GroupState] = []
             for param in direct:
-                flat = layout.group_of(param)
-                if flat is None:
-                    continue
-                group = by_flat[id(flat)]
-                if not group.persistent and group not in groups:
-                    groups.append(group)
-            if groups:
-                module_groups[module] = groups
+                state = index.state_of(param)
+                if state is not None and state.gather is not None and state not in states:
+                    states.append(state)
+            if states:
+                module_groups[module] = states
         self.coordinator = ParamCoordinator(
-            self.sharded,
+            index,
             module_groups,
             prefetch_numel=prefetch_numel,
             max_live_numel=max_live_numel,
             max_reuse_distance=max_reuse_distance,
         )
-        self.saved_tensors = SavedTensorGatherer(self.coordinator)
+        self.saved_tensors = SavedTensorGatherer(self.coordinator, lifecycle)
         self._handles: list[RemovableHandle] = Stage3ModuleHooks(
             root, self.coordinator, lifecycle, self.saved_tensors
         ).install()
@@ -62,38 +102,48 @@ class Stage3Runtime:
             lifecycle.on_epilogue(lambda task: self.coordinator.end_backward()),
             lifecycle.on_abort(lambda task: self.coordinator.abort()),
         ]
-        for group in self.sharded:
-            if not group.persistent:
-                for param in group.flat.params:
-                    zero_parameter.adopt(param, self.coordinator)
+        for state in self.sharded_states:
+            for param in state.params:
+                zero_parameter.adopt(param, self.coordinator)
 
-    def resident_groups(self) -> list[FlatGroup]:
-        """Trainable groups whose full buffer is present now (refreshed after a step).
+    @property
+    def sharded_states(self) -> list[GroupState]:
+        return self.coordinator.states
 
-        Groups a forward kept for its backward are released first: after a step only
-        persistent groups (and groups someone holds) are gathered.
+    def status(self, param: nn.Parameter) -> ParamStatus:
+        state = self.index.state_of(param)
+        return ParamStatus.AVAILABLE if state is None else state.status
+
+    def release_all(self) -> None:
+        """Release every group nobody holds (what a forward kept for its backward, too)."""
+        self.coordinator.release_unheld()
+
+    def on_grads_complete(self, state: GroupState) -> None:
+        self.coordinator.on_grads_complete(state)
+
+    def publish_after_step(self) -> None:
+        """Release what may go, then refresh every trainable group still gathered.
+
+        After a step only persistent groups (and groups someone holds) are gathered.
         """
-        self.coordinator.release_all()
+        self.release_all()
         resident = []
-        for group in self.sharded:
-            if not group.flat.trainable:
-                continue
-            if group.status is ParamStatus.INFLIGHT:
-                group.to_available()
-            if group.status is ParamStatus.AVAILABLE:
-                resident.append(group.flat)
-        return resident
-
-    def group_of(self, param: nn.Parameter) -> ShardedGroup | None:
-        return self.coordinator.group_of(param)
+        for state in self.index.trainable:
+            if state.gather is not None and state.gather.status is ParamStatus.INFLIGHT:
+                state.gather.to_available()
+            if state.status is ParamStatus.AVAILABLE:
+                resident.append(state)
+        all_gather_full(resident, self.comm)
 
     def teardown(self) -> None:
         """Gather everything and leave plain, whole parameters behind."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for group in self.sharded:
-            group.to_available()
-            group.holds = 0
-            for param in group.flat.params:
+        self.coordinator.abort()
+        self.coordinator.gather_all()
+        for state in self.sharded_states:
+            if state.gather is not None:
+                state.gather.drop_holds()
+            for param in state.params:
                 zero_parameter.release(param)

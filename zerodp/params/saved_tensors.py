@@ -23,34 +23,39 @@ from typing import Any
 import torch
 
 from zerodp.backward import autograd_api
+from zerodp.backward.lifecycle import BackwardLifecycle
+from zerodp.group import GroupState
 from zerodp.params.coordinator import ParamCoordinator
-from zerodp.params.sharded_group import ShardedGroup
+from zerodp.torch_internals import storage_key
 
 
 class _SavedParameterView:
-    __slots__ = ("group", "tensor")
+    __slots__ = ("state", "tensor")
 
-    def __init__(self, group: ShardedGroup, tensor: torch.Tensor) -> None:
-        self.group = group
+    def __init__(self, state: GroupState, tensor: torch.Tensor) -> None:
+        self.state = state
         self.tensor = tensor
 
 
 class SavedTensorGatherer:
-    def __init__(self, coordinator: ParamCoordinator) -> None:
+    """The pack/unpack pair installed around each forward (see the module docstring)."""
+
+    def __init__(self, coordinator: ParamCoordinator, lifecycle: BackwardLifecycle) -> None:
         self.coordinator = coordinator
+        self.unpack = lifecycle.hook(self._unpack)
         self._contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def pack(self, tensor: torch.Tensor) -> Any:
         detached = tensor.detach()
-        group = self.coordinator.group_of_storage(tensor.untyped_storage()._cdata)
-        if group is None:
+        state = self.coordinator.state_of_storage(storage_key(tensor))
+        if state is None:
             return detached
-        return _SavedParameterView(group, detached)
+        return _SavedParameterView(state, detached)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
+    def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedParameterView):
             return packed
-        self.coordinator.ensure_available_for_unpack(packed.group)
+        self.coordinator.ensure_available_for_unpack(packed.state)
         if torch.is_grad_enabled():
             return packed.tensor.clone()
         return packed.tensor

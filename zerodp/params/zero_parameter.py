@@ -25,23 +25,29 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from zerodp.group import GroupState
+from zerodp.torch_internals import PlainTensorOps
+
 AfterUse = Callable[[], None]
 
 
 class ParamOwner(Protocol):
-    """What manages a sharded parameter: the engine's coordinator, or `zero.Init`."""
+    """What gathers a sharded parameter: an engine's coordinator, or `zero.Init`."""
 
     def before_use(self, param: nn.Parameter, func: Callable[..., Any]) -> AfterUse | None:
         """Make `param` readable for `func`; may return what to do once `func` has run."""
         ...
 
-    def group_of(self, param: nn.Parameter) -> Any: ...
+    def group_of(self, param: nn.Parameter) -> GroupState | None: ...
 
-    def hold(self, group: Any) -> None: ...
+    def hold(self, state: GroupState) -> None: ...
 
-    def unhold(self, group: Any) -> None: ...
+    def unhold(self, state: GroupState) -> None: ...
 
 
+# Sharded parameter -> its owner. Looked up on every torch operation that takes a sharded
+# parameter, so it is a plain dict (identity-keyed, the fastest lookup there is); entries
+# are removed by `release` when an engine is destroyed or Init hands a group over.
 _OWNERS: dict[int, ParamOwner] = {}
 
 _METADATA_PROPERTIES = frozenset(
@@ -125,7 +131,7 @@ class ZeroParameter(nn.Parameter):
                     finish = owner.before_use(param, func)
                     if finish is not None:
                         after.append(finish)
-        with torch._C.DisableTorchFunctionSubclass():
+        with PlainTensorOps():
             result = func(*args, **kwargs)
         for finish in after:
             finish()

@@ -9,18 +9,15 @@ from torch import nn
 
 from zerodp.partition.flat_group import FlatGroup
 from zerodp.partition.planner import GroupPlan, ParamInfo, plan_buckets, plan_stage3
+from zerodp.torch_internals import direct_parameters
 
 
 @dataclass
 class ModelLayout:
-    groups: list[FlatGroup]  # in reduction order
-    persistent: list[bool]  # per group: stays gathered (stage 3), or is never sharded
-    module_params: dict[nn.Module, list[nn.Parameter]]  # each module's direct parameters
+    """A model's flat groups, in reduction order, and each module's direct parameters."""
 
-    def group_of(self, param: nn.Parameter) -> FlatGroup | None:
-        if not hasattr(self, "_by_param"):
-            self._by_param = {id(p): g for g in self.groups for p in g.params}
-        return self._by_param.get(id(param))
+    groups: list[FlatGroup]
+    module_params: dict[nn.Module, list[nn.Parameter]]
 
 
 def describe_params(
@@ -32,7 +29,7 @@ def describe_params(
     owner: dict[int, int] = {}
     module_params: dict[nn.Module, list[nn.Parameter]] = {}
     for module_index, sub in enumerate(module.modules()):
-        direct = [p for p in sub._parameters.values() if p is not None]
+        direct = direct_parameters(sub)
         module_params[sub] = direct
         for param in direct:
             owner.setdefault(id(param), module_index)
@@ -62,12 +59,14 @@ def build_layout(
     device: torch.device,
     bucket_numel: int,
     persistence_threshold: int,
+    owns_full: bool = False,
     presharded: list[FlatGroup] | None = None,
 ) -> ModelLayout:
     """Flat groups for `module`; `trainable_groups` maps id(param) to its optimizer group.
 
     Stages 0-2 lay out trainable parameters only (frozen ones stay as they
     are); stage 3 shards frozen parameters too, since they take memory alike.
+    `owns_full` (stage 0) makes each rank's optimizer own whole groups.
     """
     params, infos, module_params = describe_params(module, trainable_groups)
     position = {id(p): i for i, p in enumerate(params)}
@@ -87,27 +86,23 @@ def build_layout(
         reverse=True,
     )
     groups = []
-    for index, (plan, adopted) in enumerate(ordered):
+    for plan, adopted in ordered:
         names = [infos[i].name for i in plan.members]
         param_group = infos[plan.members[0]].param_group
         if adopted is None:
+            persistent = plan.persistent or not shard_params
             flat = FlatGroup(
-                index=index,
                 params=[params[i] for i in plan.members],
                 names=names,
                 world_size=world_size,
                 rank=rank,
                 device=device,
                 param_group_index=param_group,
-                separate_shard=shard_params and not plan.persistent,
+                persistent=persistent,
+                owns_full=owns_full and persistent,
             )
         else:  # built already sharded (zero.Init): adopt it as it is
             flat = adopted
-            flat.index, flat.names, flat.param_group_index = index, names, param_group
+            flat.names, flat.param_group_index = names, param_group
         groups.append(flat)
-    plans = [plan for plan, _ in ordered]
-    return ModelLayout(
-        groups=groups,
-        persistent=[plan.persistent for plan in plans],
-        module_params=module_params,
-    )
+    return ModelLayout(groups=groups, module_params=module_params)

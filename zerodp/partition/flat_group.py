@@ -1,18 +1,18 @@
-"""A flat group: parameters that live as views of one flat, sharded buffer.
+"""A flat group: parameters that live as views of one flat, padded buffer.
 
 Every parameter zerodp manages belongs to exactly one `FlatGroup`. The group's
 `full` buffer holds all of its parameters end to end (padded to a multiple of
 the world size); each parameter's tensor is a view into it, so one collective
-moves the whole group and no copy is made to or from parameter tensors.
+moves the whole group and no copy is made to or from parameter tensors. The
+words used here (full, shard, owned range, persistent) are defined in
+[Note: zerodp tensors] in `zerodp.group`.
 
-This rank's `shard` is what its optimizer steps:
-- a view of `full` when the full buffer stays resident (stages 0-2, and the
-  persistent parameters of stage 3);
-- a separate tensor when the full buffer is freed between uses (stage 3). Then
-  `free_full()` resizes the full buffer's storage to zero in place and
-  `alloc_full()` gives it its size back, ready to be refilled; parameters keep
-  pointing at the same storage throughout. See [Note: stage 3 storage] in
-  `zerodp.params.sharded_group`.
+- A persistent group keeps its full buffer allocated, and its `shard` is a
+  view of it (every group at stages 0-2; small parameters at stage 3).
+- A sharded group (stage 3) keeps a separate `shard`; `free_full()` resizes
+  the full buffer's storage to zero in place and `alloc_full()` gives it its
+  size back, ready to be refilled; parameters keep pointing at the same
+  storage throughout. See [Note: stage 3 storage] in `zerodp.group.gather`.
 """
 
 from __future__ import annotations
@@ -24,24 +24,27 @@ from zerodp.partition.layout import FlatLayout
 
 
 class FlatGroup:
+    """One group's flat buffer, its rank's shard, and which range its optimizer owns."""
+
     def __init__(
         self,
         *,
-        index: int,
         params: list[nn.Parameter],
         names: list[str],
         world_size: int,
         rank: int,
         device: torch.device,
         param_group_index: int,
-        separate_shard: bool,
+        persistent: bool,
+        owns_full: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             raise ValueError(f"parameters of one FlatGroup must share a dtype, got {dtypes}")
-        self.index = index
+        if owns_full and not persistent:
+            raise ValueError("a sharded group cannot own its full buffer; use persistent=True")
         self.params = params
         self.names = names
         self.param_group_index = param_group_index
@@ -50,7 +53,8 @@ class FlatGroup:
         self.device = device
         self.rank = rank
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
-        self.separate_shard = separate_shard
+        self.persistent = persistent
+        self.owns_full = owns_full
 
         self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=device)
         with torch.no_grad():
@@ -60,9 +64,9 @@ class FlatGroup:
             # Once, at set-up: the parameter becomes a view of the flat buffer.
             param.data = self.full[slot.offset : slot.end].view(slot.shape)
         start, end = self.layout.shard_range(rank)
-        self.shard = self.full[start:end].clone() if separate_shard else self.full[start:end]
+        self.shard = self.full[start:end] if persistent else self.full[start:end].clone()
 
-    # -- sizes ---------------------------------------------------------------------
+    # -- sizes and ranges -------------------------------------------------------------
 
     @property
     def numel(self) -> int:
@@ -80,9 +84,26 @@ class FlatGroup:
     def shard_range(self) -> tuple[int, int]:
         return self.layout.shard_range(self.rank)
 
+    @property
+    def owned_range(self) -> tuple[int, int]:
+        """The part of the full buffer this rank's optimizer steps (decided here, nowhere else)."""
+        return (0, self.padded_numel) if self.owns_full else self.shard_range
+
+    @property
+    def owned(self) -> torch.Tensor:
+        """The model's values of the owned range: the full buffer, or this rank's shard."""
+        return self.full if self.owns_full else self.shard
+
     def slot_of(self, position: int) -> tuple[int, int]:
         slot = self.layout.slots[position]
         return slot.offset, slot.end
+
+    def position_of(self, param: nn.Parameter) -> int:
+        """Where `param` sits in the group (by identity: parameters compare elementwise)."""
+        for position, candidate in enumerate(self.params):
+            if candidate is param:
+                return position
+        raise KeyError(f"{param.shape} is not a parameter of {self}")
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Convert the group to `dtype` (once, at set-up: mixed precision's model copy).
@@ -101,14 +122,14 @@ class FlatGroup:
         for param, slot in zip(self.params, self.layout.slots, strict=True):
             param.data = self.full[slot.offset : slot.end].view(slot.shape)
         start, end = self.layout.shard_range(self.rank)
-        self.shard = self.shard.to(dtype) if self.separate_shard else self.full[start:end]
+        self.shard = self.full[start:end] if self.persistent else self.shard.to(dtype)
         if not resident:
             self.free_full()
         self.dtype = dtype
 
     def take_shard_from_full(self) -> None:
         """Refresh a separate shard from the full buffer (after the full buffer was overwritten)."""
-        if self.separate_shard:
+        if not self.persistent:
             start, end = self.shard_range
             self.shard.copy_(self.full[start:end])
 
@@ -129,10 +150,6 @@ class FlatGroup:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
-    def storage_key(self) -> int:
-        """Identifies the full buffer's storage across frees and refills."""
-        return self.full.untyped_storage()._cdata
-
     def __repr__(self) -> str:
         shown = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
-        return f"FlatGroup({self.index}: {shown}; {self.numel} elements)"
+        return f"FlatGroup({shown}; {self.numel} elements)"

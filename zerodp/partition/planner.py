@@ -28,7 +28,7 @@ class ParamInfo:
 @dataclass(frozen=True)
 class GroupPlan:
     members: tuple[int, ...]  # ParamInfo.index values, in flat-buffer order
-    persistent: bool  # stage 3: always gathered
+    persistent: bool  # the full buffer stays allocated (see [Note: zerodp tensors])
 
     @property
     def last_index(self) -> int:

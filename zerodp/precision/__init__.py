@@ -1,10 +1,12 @@
-"""Mixed precision: the dtype policy, fp32 master weights, and fp16 loss scaling."""
+"""Mixed precision: the dtype policy, fp16 loss scaling, and casting the model's inputs.
 
-from zerodp.precision.loss_scaler import LossScaleError, LossScaler, loss_scaler_from_config
+The fp32 master weights are each group's optimizer copy (`zerodp.group.OptimizerParam`).
+"""
+
+from zerodp.precision.loss_scaler import LossScaler, loss_scaler_from_config
 from zerodp.precision.policy import PrecisionPolicy, precision_policy
 
 __all__ = [
-    "LossScaleError",
     "LossScaler",
     "PrecisionPolicy",
     "loss_scaler_from_config",

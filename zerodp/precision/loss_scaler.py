@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerodp.errors import ZeroDPError
-
-
-class LossScaleError(ZeroDPError):
-    """Gradients still overflow at the minimum loss scale."""
+from zerodp.config import FP16Config
+from zerodp.errors import CheckpointError, LossScaleError
 
 
 class LossScaler:
+    """The fp16 loss scale and its dynamic schedule (see the module docstring)."""
+
     def __init__(
         self,
         *,
@@ -79,14 +78,34 @@ class LossScaler:
             "overflows": self.overflows,
         }
 
+    @staticmethod
+    def check_state_dict(state: Any) -> None:
+        """Raise CheckpointError unless `state` is a loss scaler's saved state."""
+        numbers: dict[str, type | tuple[type, ...]] = {
+            "scale": (int, float),
+            "hysteresis_left": int,
+            "clean_steps": int,
+            "overflows": int,
+        }
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint loss_scaler: expected a JSON object, got {state!r}")
+        for key, kinds in numbers.items():
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise CheckpointError(
+                    f"checkpoint loss_scaler '{key}': expected a number, got {value!r}; the "
+                    "checkpoint's zerodp_state.json is damaged"
+                )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
         self.scale = float(state["scale"])
         self.hysteresis_left = int(state["hysteresis_left"])
         self.clean_steps = int(state["clean_steps"])
         self.overflows = int(state["overflows"])
 
 
-def loss_scaler_from_config(fp16: Any) -> LossScaler:
+def loss_scaler_from_config(fp16: FP16Config) -> LossScaler:
     if not fp16.enabled:
         return LossScaler.none()
     if fp16.loss_scale > 0:

@@ -3,7 +3,7 @@
 | state                         | fp32   | bf16 / fp16                                  |
 |-------------------------------|--------|----------------------------------------------|
 | parameters, activations       | fp32   | bf16 / fp16                                  |
-| master weights (owned range)  | none   | fp32                                         |
+| optimizer copy (owned range)  | none   | fp32 (the master weights)                    |
 | optimizer state               | fp32   | fp32                                         |
 | kept gradients                | fp32   | the model's dtype; fp32 when accumulating    |
 | gradient communication        | the gradients' dtype, or communication_data_type |
@@ -34,10 +34,6 @@ class PrecisionPolicy:
     @property
     def mixed(self) -> bool:
         return self.param_dtype != torch.float32
-
-    @property
-    def master_dtype(self) -> torch.dtype | None:
-        return torch.float32 if self.mixed else None
 
 
 def precision_policy(config: ZeroDPConfig) -> PrecisionPolicy:

@@ -1,10 +1,10 @@
-"""A stage 3 group of parameters: gathered on use, released after, with a checked state.
+"""The gather state of one sharded (stage 3) group, and the collectives that change it.
 
 [Note: stage 3 storage]
 Autograd saves the tensors a backward formula needs, often a view of a
 parameter rather than the parameter itself (`F.linear` saves `weight.t()`).
 zerodp never replaces a parameter's data with another tensor. Releasing a
-group resizes the storage of its flat buffer to zero, in place; gathering
+group resizes the storage of its full buffer to zero, in place; gathering
 resizes it back and all-gathers every rank's shard into it. Every tensor that
 shares that storage (the parameters, and every view autograd saved) sees the
 full data again whenever the group is gathered, so a second backward on a
@@ -17,33 +17,50 @@ unpack in backward).
 
 from __future__ import annotations
 
+import enum
+
 from zerodp.comm import Comm, Handle
 from zerodp.errors import ParamStateError
-from zerodp.params.status import ParamStatus
 from zerodp.partition import FlatGroup
 
 
-class ShardedGroup:
-    """The stage 3 view of a FlatGroup: its status and the collectives that change it."""
+class ParamStatus(enum.Enum):
+    """Whether a stage 3 parameter's full data is present on this rank.
 
-    def __init__(self, flat: FlatGroup, comm: Comm, persistent: bool) -> None:
+    NOT_AVAILABLE: only this rank's shard exists; the parameter's storage is
+        empty (memory: the shard only).
+    INFLIGHT: an all-gather into the parameter's storage has been issued, not
+        waited on (memory: the full buffer is allocated).
+    AVAILABLE: the full parameter is present and may be read.
+    """
+
+    NOT_AVAILABLE = "not_available"
+    INFLIGHT = "inflight"
+    AVAILABLE = "available"
+
+
+class GatherState:
+    """A sharded group's status, the users holding it, and its gather in flight.
+
+    Transitions are named after the state they reach and check where they
+    come from; a wrong order raises `ParamStateError` naming the parameters.
+    Building one frees the group's full buffer: a sharded group starts
+    NOT_AVAILABLE.
+    """
+
+    def __init__(self, flat: FlatGroup, comm: Comm) -> None:
+        if flat.persistent:
+            raise ValueError(f"{flat} is persistent: its full buffer is never released")
         self.flat = flat
         self.comm = comm
-        self.persistent = persistent
-        self.status = ParamStatus.AVAILABLE
         self.holds = 0  # forward scopes and GatheredParameters blocks using the group now
-        self._handle: Handle | None = None
-        if not persistent:
-            flat.free_full()
-            self.status = ParamStatus.NOT_AVAILABLE
+        self._handle: Handle | None = None  # set exactly while INFLIGHT
+        flat.free_full()
+        self.status = ParamStatus.NOT_AVAILABLE
 
     @property
     def numel(self) -> int:
         return self.flat.padded_numel
-
-    @property
-    def names(self) -> list[str]:
-        return self.flat.names
 
     # -- transitions (named after the state they reach) -------------------------------
 
@@ -67,35 +84,36 @@ class ShardedGroup:
 
     def to_not_available(self) -> None:
         """Release the full storage; only the shard remains."""
-        if self.persistent:
-            raise ParamStateError(
-                f"parameters {self._shown_names()} are persistent (below "
-                "stage3_param_persistence_threshold) and are never released"
-            )
         self._require({ParamStatus.AVAILABLE}, ParamStatus.NOT_AVAILABLE)
         self.flat.free_full()
         self.status = ParamStatus.NOT_AVAILABLE
 
     def release_if_unused(self) -> bool:
-        """Release unless persistent or held; an in-flight gather is finished first."""
-        if self.persistent or self.holds > 0 or self.status is ParamStatus.NOT_AVAILABLE:
+        """Release unless held; an in-flight gather is finished first. True if released."""
+        if self.holds > 0 or self.status is ParamStatus.NOT_AVAILABLE:
             return False
         if self.status is ParamStatus.INFLIGHT:
             self.to_available()
         self.to_not_available()
         return True
 
-    def refresh(self) -> None:
-        """Re-gather a resident group after its shard changed (the optimizer step)."""
-        self._require({ParamStatus.AVAILABLE}, ParamStatus.AVAILABLE)
-        self.comm.all_gather(self.flat.full, self.flat.shard)
+    # -- users ---------------------------------------------------------------------
 
-    def write_back_shard(self) -> None:
-        """Take this rank's shard from the full buffer (after a rank wrote the full data)."""
-        self._require({ParamStatus.AVAILABLE}, ParamStatus.AVAILABLE)
-        if self.flat.separate_shard:
-            start, end = self.flat.shard_range
-            self.flat.shard.copy_(self.flat.full[start:end])
+    def hold(self) -> None:
+        self.holds += 1
+
+    def unhold(self) -> None:
+        """Drop one hold; an unbalanced call is a bug in the caller, not something to hide."""
+        if self.holds <= 0:
+            raise ParamStateError(
+                f"parameters {self.shown_names()}: released more often than held "
+                "(GatheredParameters exited twice, or a forward scope was unwound twice)"
+            )
+        self.holds -= 1
+
+    def drop_holds(self) -> None:
+        """Forget every hold (a forward or backward died part-way; its scopes are gone)."""
+        self.holds = 0
 
     # -- checks ----------------------------------------------------------------------
 
@@ -103,13 +121,13 @@ class ShardedGroup:
         if self.status not in allowed:
             shown = " or ".join(sorted(s.name for s in allowed))
             raise ParamStateError(
-                f"parameters {self._shown_names()}: cannot go from {self.status.name} to "
+                f"parameters {self.shown_names()}: cannot go from {self.status.name} to "
                 f"{target.name} (allowed only from {shown})"
             )
 
-    def _shown_names(self) -> str:
+    def shown_names(self) -> str:
         names = self.flat.names
         return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
     def __repr__(self) -> str:
-        return f"ShardedGroup({self._shown_names()}; {self.status.name}, holds={self.holds})"
+        return f"GatherState({self.shown_names()}; {self.status.name}, holds={self.holds})"

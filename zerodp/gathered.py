@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import nn
 
-from zerodp import registry
-from zerodp.comm import Comm, broadcast_tensors
+from zerodp.comm import Comm, broadcast_tensors, ensure_process_group
+from zerodp.engine import engine_of
+from zerodp.group import GroupState
 from zerodp.params import zero_parameter
 
 
@@ -21,10 +21,11 @@ class GatheredParameters:
     the final broadcast are collectives. Inside, the parameters are whole and
     may be read; with `modifier_rank=r`, rank r may also write them in place
     (`param.copy_(...)`, `nn.init.*`), and on exit its values are broadcast
-    and every rank keeps its shard of them. Without a modifier rank, writes to
-    stage 3 parameters are discarded on exit. Parameters that are not sharded
-    (stages 0-2, or not managed by zerodp) need no gathering; a modifier
-    rank's values are still broadcast to all ranks.
+    and every rank keeps its shard of them (and the optimizer's copy follows).
+    Without a modifier rank, writes to stage 3 parameters are discarded on
+    exit. Parameters that are not sharded (stages 0-2, or not managed by
+    zerodp) need no gathering; a modifier rank's values are still broadcast to
+    all ranks.
     """
 
     def __init__(
@@ -38,14 +39,14 @@ class GatheredParameters:
         )
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._held: list[tuple[Any, Any]] = []  # (owner, group)
+        self._held: list[tuple[zero_parameter.ParamOwner, GroupState]] = []
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        for owner, group in self._sharded_groups():
-            owner.hold(group)
-            self._held.append((owner, group))
+        for owner, state in self._sharded_groups():
+            owner.hold(state)
+            self._held.append((owner, state))
         return self
 
     def __exit__(
@@ -60,56 +61,52 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._broadcast_from_modifier(int(self.modifier_rank))
         finally:
-            for owner, group in reversed(self._held):
-                owner.unhold(group)
+            for owner, state in reversed(self._held):
+                owner.unhold(state)
             self._held = []
 
-    def _sharded_groups(self) -> list[tuple[Any, Any]]:
-        """(owner, group) pairs in a fixed order, so that every rank gathers alike."""
-        found: list[tuple[Any, Any]] = []
+    def _sharded_groups(self) -> list[tuple[zero_parameter.ParamOwner, GroupState]]:
+        """(owner, group) pairs in the owner's fixed order, so that every rank gathers alike."""
+        found: list[tuple[zero_parameter.ParamOwner, GroupState]] = []
         for param in self.params:
             owner = zero_parameter.owner_of(param)
             if owner is None:
                 continue
-            group = owner.group_of(param)
-            if group is not None and all(group is not g for _, g in found):
-                found.append((owner, group))
-        found.sort(key=lambda pair: pair[1].flat.index)
+            state = owner.group_of(param)
+            if state is not None and all(state is not s for _, s in found):
+                found.append((owner, state))
+        found.sort(key=lambda pair: pair[1].order)
         return found
 
     def _broadcast_from_modifier(self, src: int) -> None:
-        flats: list[Any] = []
+        states: list[GroupState] = []
         loose: list[torch.Tensor] = []
         for param in self.params:
-            flat = self._flat_group_of(param)
-            if flat is None:
+            state = _state_of(param)
+            if state is None:
                 loose.append(param.data)
-            elif all(flat is not f for f in flats):
-                flats.append(flat)
-        flats.sort(key=lambda f: f.index)
-        broadcast_tensors(_comm_for(self.params), [f.full for f in flats] + loose, src=src)
-        for flat in flats:
-            flat.take_shard_from_full()
-            engine = registry.engine_of(flat.params[0])
-            if engine is not None and engine.masters is not None:
-                engine.masters.refresh_from_model(flat)
+            elif all(state is not s for s in states):
+                states.append(state)
+        states.sort(key=lambda s: s.order)
+        broadcast_tensors(_comm_for(self.params), [s.flat.full for s in states] + loose, src=src)
+        for state in states:
+            state.flat.take_shard_from_full()
+            if state.optim is not None:
+                state.optim.refresh_from_model()
 
-    @staticmethod
-    def _flat_group_of(param: nn.Parameter) -> Any:
-        owner = zero_parameter.owner_of(param)
-        if owner is not None:
-            group = owner.group_of(param)
-            return None if group is None else group.flat
-        engine = registry.engine_of(param)
-        return None if engine is None else engine.layout.group_of(param)
+
+def _state_of(param: nn.Parameter) -> GroupState | None:
+    owner = zero_parameter.owner_of(param)
+    if owner is not None:
+        return owner.group_of(param)
+    engine = engine_of(param)
+    return None if engine is None else engine.groups.state_of(param)
 
 
 def _comm_for(params: list[nn.Parameter]) -> Comm:
     for param in params:
-        engine = registry.engine_of(param)
+        engine = engine_of(param)
         if engine is not None:
             return engine.comm
-    from zerodp.comm import ensure_process_group
-
     ensure_process_group()
     return Comm()

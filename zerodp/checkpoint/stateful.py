@@ -1,0 +1,66 @@
+"""JSON adapters for the torch objects a checkpoint saves: optimizer settings, LR scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
+from zerodp.errors import CheckpointError
+
+
+class OptimizerSettings:
+    """The torch optimizer's class and param-group settings (lr, betas, ...), not its tensors."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = [
+            to_jsonable({k: v for k, v in group.items() if k != "params"})
+            for group in self.optimizer.param_groups
+        ]
+        return {"class": type(self.optimizer).__name__, "param_groups": groups}
+
+    def check_state_dict(self, state: Any) -> None:
+        groups = state.get("param_groups") if isinstance(state, dict) else None
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise CheckpointError(
+                "checkpoint optimizer settings: expected a list of param-group objects; the "
+                "checkpoint's zerodp_state.json is damaged"
+            )
+        current = self.optimizer.param_groups
+        if len(groups) != len(current):
+            raise CheckpointError(
+                f"the checkpoint has {len(groups)} optimizer param groups, the engine "
+                f"{len(current)}; build the optimizer with the same param groups, or pass "
+                "load_optimizer_states=False to load the weights only"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state_dict(state)
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            for key, value in saved.items():
+                group[key] = from_jsonable(value)
+
+
+class SchedulerState:
+    """A torch LR scheduler's state, as JSON (tensors become numbers, tuples are marked)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> Any:
+        return to_jsonable(self.scheduler.state_dict())
+
+    def check_state_dict(self, state: Any) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"checkpoint lr_scheduler: expected a JSON object, got {type(state).__name__}; "
+                "the checkpoint's zerodp_state.json is damaged"
+            )
+
+    def load_state_dict(self, state: Any) -> None:
+        self.check_state_dict(state)
+        self.scheduler.load_state_dict(from_jsonable(state))

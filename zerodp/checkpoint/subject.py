@@ -1,0 +1,59 @@
+"""What a checkpoint saves and restores, handed over by the engine.
+
+The checkpoint code never sees the engine (as in torchtitan, where the
+checkpointer knows only `Stateful` pieces): tensors come from the model, the
+group records and the torch optimizer; everything else is a piece with
+`state_dict()` / `load_state_dict()` and a `check_state_dict()` that raises
+`CheckpointError` for a saved value it could not load, so that a load can
+check every piece before it changes any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from zerodp.comm import Comm
+from zerodp.group import GroupIndex
+
+
+class Stateful(Protocol):
+    """A piece of training state saved as JSON."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class CheckedStateful(Stateful, Protocol):
+    """A JSON piece that can say, before anything is loaded, whether a saved state fits it."""
+
+    def check_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointSubject:
+    """The engine's state as a checkpoint sees it.
+
+    `check_idle` raises when a checkpoint cannot be taken now (inside a
+    backward); `after_load` makes the model's parameters follow the owned
+    ranges just loaded and zeroes the gradients.
+    """
+
+    comm: Comm
+    module: nn.Module
+    groups: GroupIndex
+    optimizer: torch.optim.Optimizer  # the torch optimizer: its per-parameter state
+    zero_stage: int
+    param_dtype: torch.dtype
+    counters: CheckedStateful
+    optimizer_settings: CheckedStateful
+    loss_scaler: CheckedStateful
+    lr_scheduler: Stateful | None
+    dataloader: Stateful | None
+    check_idle: Callable[[], None]
+    after_load: Callable[[], None]

@@ -1,0 +1,119 @@
+"""`GroupState`, the one record per flat group, and `GroupIndex`, the one map to it.
+
+See [Note: zerodp tensors] in `zerodp.group` for the words used here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerodp.group.gather import GatherState, ParamStatus
+from zerodp.group.gradients import KeptGradient
+from zerodp.group.optimizer_param import OptimizerParam
+from zerodp.partition import FlatGroup
+
+
+@dataclass(eq=False)
+class GroupState:
+    """Everything zerodp holds for one flat group.
+
+    `order` is the group's place in the fixed order every rank issues its
+    collectives in (reductions, gathers of several groups at once).
+    `grads` and `optim` exist for trainable groups, `gather` for sharded
+    (stage 3, non-persistent) groups.
+    """
+
+    flat: FlatGroup
+    order: int
+    grads: KeptGradient | None = None
+    optim: OptimizerParam | None = None
+    gather: GatherState | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.flat.params
+
+    @property
+    def names(self) -> list[str]:
+        return self.flat.names
+
+    @property
+    def trainable(self) -> bool:
+        return self.flat.trainable
+
+    @property
+    def persistent(self) -> bool:
+        return self.flat.persistent
+
+    @property
+    def status(self) -> ParamStatus:
+        """Whether the full buffer is present now (a persistent group's always is)."""
+        return ParamStatus.AVAILABLE if self.gather is None else self.gather.status
+
+    def value_of_owned(self) -> torch.Tensor:
+        """The freshest values of what this rank owns: the optimizer's tensor, else the model's.
+
+        A frozen sharded group has no optimizer parameter; its shard is what this
+        rank holds.
+        """
+        if self.optim is not None:
+            return self.optim.param.detach()
+        return self.flat.owned
+
+    def __repr__(self) -> str:
+        return f"GroupState({self.order}: {self.flat!r}, {self.status.name})"
+
+
+class GroupIndex:
+    """The engine's groups, in collective order, and the one map from a parameter to its group."""
+
+    def __init__(self, states: list[GroupState] | None = None) -> None:
+        self.states: list[GroupState] = []
+        self._where: dict[int, tuple[GroupState, int]] = {}
+        for state in states or []:
+            self.add(state)
+
+    def add(self, state: GroupState) -> None:
+        self.states.append(state)
+        for position, param in enumerate(state.params):
+            self._where[id(param)] = (state, position)
+
+    def lookup(self, param: torch.Tensor) -> tuple[GroupState, int] | None:
+        """(group, position in it) of a managed parameter; None for any other tensor."""
+        found = self._where.get(id(param))
+        if found is None or found[0].params[found[1]] is not param:
+            return None  # another tensor that happens to reuse a dead parameter's id
+        return found
+
+    def state_of(self, param: torch.Tensor) -> GroupState | None:
+        found = self.lookup(param)
+        return None if found is None else found[0]
+
+    def manages(self, param: torch.Tensor) -> bool:
+        return self.lookup(param) is not None
+
+    def __iter__(self) -> Iterator[GroupState]:
+        return iter(self.states)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @property
+    def trainable(self) -> list[GroupState]:
+        return [s for s in self.states if s.trainable]
+
+    @property
+    def sharded(self) -> list[GroupState]:
+        return [s for s in self.states if s.gather is not None]
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for s in self.states for p in s.params]
+
+    @property
+    def trainable_params(self) -> list[nn.Parameter]:
+        return [p for s in self.states if s.trainable for p in s.params]

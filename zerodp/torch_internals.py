@@ -1,0 +1,78 @@
+"""The private or undocumented PyTorch surface zerodp uses outside autograd, in one place.
+
+`zerodp.backward.autograd_api` does the same for autograd's internals. Each
+function says why the public API does not suffice, so that a torch upgrade
+that breaks one of them is a change to this file only. The DCP-specific
+internals (ShardedTensor's constructor) live in `zerodp.checkpoint.sharded`,
+the one other wrapper, because only checkpoint code may import
+`torch.distributed`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+# Runs torch functions with `__torch_function__` subclass dispatch off, so that an operation
+# on a `ZeroParameter` returns plain tensors. The documented way to write a subclass's
+# `__torch_function__`; only reachable under `torch._C`.
+PlainTensorOps = torch._C.DisableTorchFunctionSubclass
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identifies a tensor's storage across frees and refills (`resize_(0)` and back).
+
+    `data_ptr()` changes when a freed storage is allocated again, and views of
+    one storage are different tensor objects; the storage object's C address
+    stays the same for as long as any tensor refers to it.
+    """
+    return int(tensor.untyped_storage()._cdata)
+
+
+def direct_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered on `module` itself, not on its children.
+
+    `module.parameters(recurse=False)` removes duplicates across the whole
+    call; a module registering one parameter under two names must list it
+    once, which `_parameters` gives directly.
+    """
+    return [p for p in module._parameters.values() if p is not None]
+
+
+def direct_parameter_items(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """(name, parameter) registered on `module` itself, in registration order."""
+    for name, param in module._parameters.items():
+        if param is not None:
+            yield name, param
+
+
+def replace_buffers(module: nn.Module, convert: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every buffer of `module` and its children with `convert(buffer)`.
+
+    `module.to()` would also move the parameters, which zerodp has laid out
+    in flat buffers already; assigning a buffer attribute re-registers it
+    correctly, but only `_buffers` lists non-persistent buffers too.
+    """
+    for owner in module.modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is not None:
+                owner._buffers[name] = convert(buffer)
+
+
+def init_optimizer_hook_dicts(optimizer: torch.optim.Optimizer) -> None:
+    """Give an Optimizer subclass that skips `Optimizer.__init__` the hook registries it needs.
+
+    zerodp's optimizer shares its parameter groups and state with the torch
+    optimizer it wraps, so it cannot call `Optimizer.__init__` (which would
+    take parameters of its own); `step()`'s hook machinery and
+    `state_dict()` still look these dictionaries up.
+    """
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
