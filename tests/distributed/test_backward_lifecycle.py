@@ -2,9 +2,14 @@
 
 Each cell runs one autograd pattern on zerodp and on the data-parallel reference in lockstep
 (a plain model copy per rank; each backward's gradients averaged with an explicit all_reduce)
-and compares every full gradient after every backward. DDP is not a reference here: it does
-not reduce a second backward on a retained graph (PyTorch issue 47260); `test_ddp_misses_*`
-shows it. Stage 3 runs with every parameter sharded (persistence threshold 0).
+and compares every full gradient after every backward, and after every optimizer step the
+weights (fp32) or the fp32 masters and the bf16/fp16 weights (mixed precision, at the
+tolerances of `zerodp.testing.parity`); the driver is `tests.lockstep.Lockstep`. Under mixed
+precision at stages 0 and 1 with accumulation the reference only sums locally between
+boundaries, so there only the step's weights are compared. DDP is not a reference here: it
+does not reduce a second backward on a retained graph (PyTorch issue 47260);
+`test_ddp_misses_*` shows it. Stage 3 runs with every parameter sharded (persistence
+threshold 0).
 """
 
 from __future__ import annotations
@@ -18,25 +23,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-import zerodp
+from tests.configs import optimizer_config, zerodp_config
+from tests.lockstep import STYLES, Lockstep
 from tests.models import LifecycleNet, TinyNet, lifecycle_inputs, tiny_inputs
 from zerodp.testing import ReferenceDP
-from zerodp.testing.parity import assert_grads_match, assert_params_match
-from zerodp.zero import ParamStatus, is_persistent, param_status
 
-STYLES = ["engine_backward", "loss_backward", "scale_backward"]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# zerodp and the hand-written mixed recipe do the same operations; the tolerance covers the
-# one place they may round differently: a plain fp16 loss.backward() gets the loss scale
-# applied to its gradients (in zerodp) rather than to its loss (in the reference).
-MIXED_TOLERANCE = {
-    "bf16": {"rtol": 1.6e-2, "atol": 1e-4},
-    "fp16": {"rtol": 2e-3, "atol": 1e-5},
-}
+ADAM = optimizer_config("Adam", lr=1e-2, adam_w_mode=False)  # torch.optim.Adam's update
 
 
-class Lockstep:
-    """Drives zerodp and the reference through the same pattern, checking as it goes."""
+def _reference_adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+class LifecycleRun(Lockstep):
+    """The lockstep driver on `LifecycleNet`, also counting the engine's backward tasks."""
 
     def __init__(
         self,
@@ -47,29 +47,15 @@ class Lockstep:
         dtype: str = "fp32",
     ):
         torch.manual_seed(0)
-        self.model = LifecycleNet(checkpoint)
-        self.stage, self.style, self.gas, self.dtype = stage, style, gas, dtype
-        self.rank = dist.get_rank()
-        config = {
-            "train_micro_batch_size_per_gpu": 4,
-            "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        }
-        torch_dtype = DTYPES[dtype]
-        if dtype == "bf16":
-            config["bf16"] = {"enabled": True}
-        elif dtype == "fp16":
-            config["fp16"] = {"enabled": True, "initial_scale_power": 4}
-        self.reference = ReferenceDP(
-            copy.deepcopy(self.model),
-            lambda params: torch.optim.Adam(params, lr=1e-2),
-            dtype=torch_dtype,
-            grad_dtype=torch.float32 if gas > 1 else torch_dtype,
-            defer_reduction=torch_dtype != torch.float32 and gas > 1 and stage in (0, 1),
+        config = zerodp_config(
+            stage,
+            gas=gas,
+            optimizer=ADAM,
+            persistence_threshold=0,
+            dtype=dtype,
+            loss_scale_power=4 if dtype == "fp16" else None,
         )
-        self.ref_model = self.reference.model
-        self.engine, _, _, _ = zerodp.initialize(model=self.model, config=config)
+        super().__init__(LifecycleNet(checkpoint), config, _reference_adam, style=style)
         self.prologues: list[int] = []
         self.epilogues: list[int] = []
         self.engine.register_backward_hooks(
@@ -77,100 +63,20 @@ class Lockstep:
             epilogue=lambda task: self.epilogues.append(task.task_id),
         )
         self.graph_tasks = 0  # what the pattern started, counted by the test itself
-        self.checks = 0
-
-    @property
-    def scale(self) -> float:
-        """What the reference's loss is multiplied by: 1/GAS as engine.scale does (a plain
-        loss.backward() does not divide), and the fp16 loss scale, which zerodp applies to
-        every backward (to the loss, or to a plain backward's gradients)."""
-        gas_factor = 1.0 if self.style == "loss_backward" else 1.0 / self.gas
-        return gas_factor * self.engine.loss_scale
-
-    def forward(self, x: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.engine(x, **kwargs).float()
-        return out, self.ref_model(x.clone().to(DTYPES[self.dtype]), **kwargs).float()
 
     def backward(self, losses: tuple[torch.Tensor, torch.Tensor], retain_graph: bool = False):
-        loss, ref_loss = losses
-        if self.style == "engine_backward":
-            self.engine.backward(loss, retain_graph=retain_graph)
-        elif self.style == "loss_backward":
-            loss.backward(retain_graph=retain_graph)
-        else:
-            self.engine.scale(loss).backward(retain_graph=retain_graph)
-        self.reference.run_backward(
-            lambda: (ref_loss * self.scale).backward(retain_graph=retain_graph)
-        )
+        super().backward(losses, retain_graph=retain_graph)
         self.graph_tasks += 1
-        self.check("after a backward")
-
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
-        self.reference.zero_grad()
-
-    def step(self) -> None:
-        boundary = self.engine.is_gradient_accumulation_boundary()
-        loss_scale = self.engine.loss_scale
-        self.engine.step()
-        if boundary:
-            self.reference.reduce_local()
-            assert self.reference.step(loss_scale=loss_scale)
-            self.reference.zero_grad()
-            if self.dtype == "fp32":
-                assert_params_match(self.model, self.reference, self._where("after a step"))
-            else:
-                for p, r in zip(
-                    self.model.parameters(), self.reference.model.parameters(), strict=True
-                ):
-                    if not r.requires_grad:
-                        continue
-                    master = zerodp.utils.safe_get_full_fp32_param(p)
-                    torch.testing.assert_close(
-                        master, self.reference.master(r), **MIXED_TOLERANCE[self.dtype]
-                    )
-
-    def check(self, what: str) -> None:
-        self.checks += 1
-        if self.dtype == "fp32":
-            assert_grads_match(self.model, self.reference, self._where(what))
-            return
-        if self.reference.defer_reduction:
-            return  # between boundaries the reference holds local sums only
-        loss_scale = self.engine.loss_scale
-        for (name, param), ref_param in zip(
-            self.model.named_parameters(), self.reference.model.parameters(), strict=True
-        ):
-            if not ref_param.requires_grad:
-                continue
-            full = zerodp.utils.safe_get_full_grad(param)
-            expected = self.reference.grad(ref_param).float() / loss_scale
-            torch.testing.assert_close(
-                full.float(),
-                expected,
-                **MIXED_TOLERANCE[self.dtype],
-                msg=lambda m, n=name: f"{self._where(what)}: grad of {n}: {m}",
-            )
 
     def check_task_counts(self) -> None:
         assert len(self.prologues) == self.graph_tasks, (self.prologues, self.graph_tasks)
         assert len(self.epilogues) == self.graph_tasks, (self.epilogues, self.graph_tasks)
         assert len(set(self.prologues)) == self.graph_tasks, "one prologue per graph task"
 
-    def check_all_released(self) -> None:
-        for name, param in self.model.named_parameters():
-            status = param_status(param)
-            assert status is not ParamStatus.INFLIGHT, name
-            if self.stage == 3 and not is_persistent(param):
-                assert status is ParamStatus.NOT_AVAILABLE, (name, status)
-
-    def _where(self, what: str) -> str:
-        return f"stage {self.stage}, {self.style}, gas {self.gas}, check {self.checks}: {what}"
-
     def finish(self) -> None:
         self.check_task_counts()
         self.check_all_released()
-        self.engine.destroy()
+        self.close()
 
 
 def _losses(outs: tuple[torch.Tensor, torch.Tensor], fn: Callable[[torch.Tensor], torch.Tensor]):
@@ -192,7 +98,7 @@ def cubed(out: torch.Tensor) -> torch.Tensor:
 # -- the patterns ------------------------------------------------------------------------------
 
 
-def case_retain_zero_grad(run: Lockstep) -> None:
+def case_retain_zero_grad(run: LifecycleRun) -> None:
     """1 (and 4, 5): forward; zero_grad; backward(loss1, retain); zero_grad; backward(loss2)."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     run.zero_grad()
@@ -212,7 +118,7 @@ def case_retain_zero_grad(run: Lockstep) -> None:
     assert run.graph_tasks == 2
 
 
-def case_retain_accumulate(run: Lockstep) -> None:
+def case_retain_accumulate(run: LifecycleRun) -> None:
     """2: the same without the second zero_grad: gradients add up."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     run.zero_grad()
@@ -220,7 +126,7 @@ def case_retain_accumulate(run: Lockstep) -> None:
     run.backward(_losses(outs, l1))
 
 
-def case_three_losses(run: Lockstep) -> None:
+def case_three_losses(run: LifecycleRun) -> None:
     """3: three losses from one forward, three backward passes."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     run.backward(_losses(outs, mse), retain_graph=True)
@@ -228,9 +134,9 @@ def case_three_losses(run: Lockstep) -> None:
     run.backward(_losses(outs, cubed))
 
 
-def case_gradient_penalty(run: Lockstep) -> None:
+def case_gradient_penalty(run: LifecycleRun) -> None:
     """6: autograd.grad(create_graph=True) for a gradient penalty, then backward through it."""
-    x = lifecycle_inputs(run.rank, 0).to(DTYPES[run.dtype]).requires_grad_(True)
+    x = lifecycle_inputs(run.rank, 0).to(run.torch_dtype).requires_grad_(True)
     x_ref = x.detach().clone().requires_grad_(True)
     losses = []
     for model_call, inputs in ((run.engine, x), (run.ref_model, x_ref)):
@@ -242,7 +148,7 @@ def case_gradient_penalty(run: Lockstep) -> None:
     run.backward((losses[0], losses[1]))
 
 
-def case_checkpoint(run: Lockstep) -> None:
+def case_checkpoint(run: LifecycleRun) -> None:
     """7: activation checkpointing around the middle block (reentrant or not), two steps."""
     for step in range(2):
         outs = run.forward(lifecycle_inputs(run.rank, step))
@@ -250,14 +156,14 @@ def case_checkpoint(run: Lockstep) -> None:
         run.step()
 
 
-def case_two_forwards(run: Lockstep) -> None:
+def case_two_forwards(run: LifecycleRun) -> None:
     """8: two forwards, the sum of both losses, one backward."""
     a = run.forward(lifecycle_inputs(run.rank, 0))
     b = run.forward(lifecycle_inputs(run.rank, 1))
     run.backward((mse(a[0]) + l1(b[0]), mse(a[1]) + l1(b[1])))
 
 
-def case_frozen_and_unused(run: Lockstep) -> None:
+def case_frozen_and_unused(run: LifecycleRun) -> None:
     """9: a frozen parameter and one unused in this forward (then used in the next)."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     run.backward(_losses(outs, mse))
@@ -267,7 +173,7 @@ def case_frozen_and_unused(run: Lockstep) -> None:
     run.step()
 
 
-def case_accumulation_with_retain(run: Lockstep) -> None:
+def case_accumulation_with_retain(run: LifecycleRun) -> None:
     """10: accumulation over 4 micro-batches; one of them runs two backward passes."""
     for micro in range(4):
         outs = run.forward(lifecycle_inputs(run.rank, micro))
@@ -279,7 +185,7 @@ def case_accumulation_with_retain(run: Lockstep) -> None:
         run.step()
 
 
-def case_five_steps(run: Lockstep) -> None:
+def case_five_steps(run: LifecycleRun) -> None:
     """11: five full steps of pattern 1 with Adam; weights compared after each step."""
     for step in range(5):
         outs = run.forward(lifecycle_inputs(run.rank, step))
@@ -290,7 +196,7 @@ def case_five_steps(run: Lockstep) -> None:
         run.step()
 
 
-def case_grad_of_parameters(run: Lockstep) -> None:
+def case_grad_of_parameters(run: LifecycleRun) -> None:
     """12: autograd.grad(loss, params) returns this rank's local gradients, as with DDP."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     params = [p for p in run.model.parameters() if p.requires_grad]
@@ -306,7 +212,7 @@ def case_grad_of_parameters(run: Lockstep) -> None:
     run.check("kept gradients untouched by autograd.grad")
 
 
-CASES: dict[str, tuple[Callable[[Lockstep], None], dict[str, Any]]] = {
+CASES: dict[str, tuple[Callable[[LifecycleRun], None], dict[str, Any]]] = {
     "01_retain_zero_grad": (case_retain_zero_grad, {}),
     "02_retain_accumulate": (case_retain_accumulate, {}),
     "03_three_losses": (case_three_losses, {}),
@@ -326,7 +232,7 @@ def run_case(stage: int, style: str, case: str, gas: int | None = None, dtype: s
     options = dict(options, dtype=dtype)
     if gas is not None:
         options["gas"] = gas
-    run = Lockstep(stage, style, **options)
+    run = LifecycleRun(stage, style, **options)
     pattern(run)
     run.finish()  # 4: one prologue and one epilogue per graph task; nothing left gathered
     return run.checks

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
 from tests.models import LifecycleNet, TinyNet, tiny_inputs
 from zerodp.testing import DistributedTestError, ReferenceDP, run_distributed
 from zerodp.testing.parity import assert_params_match
@@ -34,22 +35,16 @@ class DropoutNet(nn.Module):
         return self.body(self.drop(x))
 
 
-def _config(stage: int, dtype: str = "fp32") -> dict:
-    config: dict = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8}},
-        "gradient_clipping": 1.0,
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 64,
-            "stage3_param_persistence_threshold": 12,
-        },
-        "seed": 7,
-    }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
-    return config
+# What every checkpoint test trains with: a scheduler and a seed, so that resuming must restore
+# them too; a small bucket, so that the model is split over several flat groups.
+RECIPE = {
+    "optimizer": optimizer_config("AdamW", lr=1e-2, weight_decay=0.01),
+    "clipping": 1.0,
+    "persistence_threshold": 12,
+    "zero": {"reduce_bucket_size": 64},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 8}},
+    "seed": 7,
+}
 
 
 def _dataset() -> TensorDataset:
@@ -61,7 +56,7 @@ def _build(stage: int, dtype: str = "fp32", seed: int = 0):
     torch.manual_seed(seed)
     model = DropoutNet()
     engine, _, loader, _ = zerodp.initialize(
-        model=model, config=_config(stage, dtype), training_data=_dataset()
+        model=model, config=zerodp_config(stage, dtype=dtype, **RECIPE), training_data=_dataset()
     )
     return model, engine, loader
 
@@ -145,7 +140,7 @@ def test_resume_is_exact(pools, tmp_path, stage: int, dtype: str) -> None:
 
 def bad_save(save_dir: object, tag: object) -> str:
     torch.manual_seed(0)
-    engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(2))
+    engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=zerodp_config(2, **RECIPE))
     try:
         with pytest.raises((ValueError, OSError)) as error:
             engine.save_checkpoint(save_dir, tag=tag)
@@ -330,7 +325,8 @@ def test_consolidate_writes_a_plain_state_dict(pools, tmp_path, stage, dtype) ->
 
 def load_into_other_model(directory: str) -> str:
     torch.manual_seed(0)
-    engine, _, _, _ = zerodp.initialize(model=LifecycleNet(), config=_config(2))
+    config = zerodp_config(2, **RECIPE)
+    engine, _, _, _ = zerodp.initialize(model=LifecycleNet(), config=config)
     with pytest.raises(zerodp.CheckpointError) as error:
         engine.load_checkpoint(directory)
     engine.destroy()

@@ -18,24 +18,22 @@ import torch
 import torch.distributed as dist
 
 import zerodp
-from examples.gpt import GPT, GPTConfig
+from tests.configs import optimizer_config, zerodp_config
+from tests.models import TinyGPT, TinyGPTConfig
 from zerodp.comm import CollectiveKind
 
 
 def step_bytes(stage: int, prefetch: int = 0) -> dict[str, int]:
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
-    model = GPT(cfg)  # input and output embeddings tied: one group, used twice per pass
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": 4096,
-            "stage3_param_persistence_threshold": 100,
-            "stage3_prefetch_bucket_size": prefetch,
-        },
-    }
+    cfg = TinyGPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+    model = TinyGPT(cfg)  # input and output embeddings tied: one group, used twice per pass
+    config = zerodp_config(
+        stage,
+        micro_batch=2,
+        optimizer=optimizer_config("AdamW", lr=1e-3),
+        persistence_threshold=100,
+        zero={"reduce_bucket_size": 4096, "stage3_prefetch_bucket_size": prefetch},
+    )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     generator = torch.Generator().manual_seed(dist.get_rank())
 

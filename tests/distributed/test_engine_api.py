@@ -11,17 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
 from tests.models import TinyNet, tiny_inputs
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_params_match
-
-
-def _config(stage: int, **extra: object) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 4,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        **extra,
-    }
 
 
 def user_optimizer_and_scheduler(stage: int, as_callable: bool) -> None:
@@ -29,10 +22,11 @@ def user_optimizer_and_scheduler(stage: int, as_callable: bool) -> None:
     torch.manual_seed(0)
     model = TinyNet()
     ref_model = copy.deepcopy(model)
+    config = zerodp_config(stage, persistence_threshold=0)  # no optimizer: the user's
     if as_callable:
         engine, optimizer, _, scheduler = zerodp.initialize(
             model=model,
-            config=_config(stage),
+            config=config,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
         )
@@ -40,7 +34,7 @@ def user_optimizer_and_scheduler(stage: int, as_callable: bool) -> None:
         user_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         user_sched = torch.optim.lr_scheduler.StepLR(user_opt, step_size=2, gamma=0.5)
         engine, optimizer, _, scheduler = zerodp.initialize(
-            model=model, config=_config(stage), optimizer=user_opt, lr_scheduler=user_sched
+            model=model, config=config, optimizer=user_opt, lr_scheduler=user_sched
         )
         assert scheduler is user_sched
     reference = ReferenceDP(ref_model, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
@@ -69,8 +63,10 @@ def accessors(stage: int) -> None:
     torch.manual_seed(0)
     model = TinyNet()
     ref_model = copy.deepcopy(model)
-    config = _config(
-        stage, optimizer={"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}}
+    config = zerodp_config(
+        stage,
+        optimizer=optimizer_config("Adam", lr=1e-2, adam_w_mode=False),
+        persistence_threshold=0,
     )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.Adam(p, lr=1e-2))
@@ -113,7 +109,9 @@ def test_full_state_accessors(pools, stage: int) -> None:
 def destroy_leaves_a_plain_model(stage: int) -> None:
     torch.manual_seed(0)
     model = TinyNet()
-    config = _config(stage, optimizer={"type": "AdamW", "params": {"lr": 1e-2}})
+    config = zerodp_config(
+        stage, optimizer=optimizer_config("AdamW", lr=1e-2), persistence_threshold=0
+    )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     x = tiny_inputs(dist.get_rank(), 0)
     engine.backward(engine(x).square().mean())

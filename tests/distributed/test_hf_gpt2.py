@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_grads_match, assert_params_match
 from zerodp.zero import ParamStatus, is_persistent, param_status
@@ -50,14 +51,6 @@ def build_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def zerodp_config(threshold: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": BATCH,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": threshold},
-    }
-
-
 def tokens_for(step: int) -> torch.Tensor:
     """Different tokens on every rank and step, so the gradient average matters."""
     generator = torch.Generator().manual_seed(100 * dist.get_rank() + step)
@@ -88,7 +81,13 @@ def gpt2_parity(threshold: int, steps: int) -> int:
         copy.deepcopy(model),
         lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY),
     )
-    engine, _, _, _ = zerodp.initialize(model=model, config=zerodp_config(threshold))
+    config = zerodp_config(
+        3,
+        micro_batch=BATCH,
+        optimizer=optimizer_config("AdamW", lr=LR, weight_decay=WEIGHT_DECAY),
+        persistence_threshold=threshold,
+    )
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     assert_tied(model, "after initialize")
     for step in range(steps):
         where = f"GPT-2, threshold {threshold}, step {step}"

@@ -9,18 +9,14 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
+from tests.lockstep import assert_all_released
 from tests.models import LifecycleNet, TinyNet, lifecycle_inputs, tiny_inputs
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_grads_match, assert_params_match
-from zerodp.zero import ParamStatus, is_persistent, param_status
+from zerodp.zero import ParamStatus, param_status
 
-
-def _config(stage: int) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "adam_w_mode": False}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }
+ADAM = optimizer_config("Adam", lr=1e-2, adam_w_mode=False)  # torch.optim.Adam's update
 
 
 class HookError(RuntimeError):
@@ -32,7 +28,8 @@ def backward_that_raises(stage: int, via_engine: bool) -> None:
     torch.manual_seed(0)
     model = LifecycleNet()
     ref_model = copy.deepcopy(model)
-    engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage))
+    config = zerodp_config(stage, optimizer=ADAM, persistence_threshold=0)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.Adam(p, lr=1e-2))
     rank = dist.get_rank()
 
@@ -54,11 +51,7 @@ def backward_that_raises(stage: int, via_engine: bool) -> None:
             loss.backward()
 
     # No parameter is left gathered (the dead task is found and aborted here).
-    for name, param in model.named_parameters():
-        status = param_status(param)
-        assert status is not ParamStatus.INFLIGHT, name
-        if stage == 3 and not is_persistent(param):
-            assert status is ParamStatus.NOT_AVAILABLE, (name, status)
+    assert_all_released(model, stage, "after the failed backward")
     # Its gradients are incomplete: stepping now is refused, with the fix in the message.
     with pytest.raises(zerodp.LifecycleError, match="zero_grad"):
         engine.step()
@@ -86,7 +79,8 @@ def test_backward_that_raises_leaves_engine_usable(pools, stage: int, via_engine
 def misuse_errors(stage: int) -> list[str]:
     torch.manual_seed(0)
     model = TinyNet()
-    engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage))
+    config = zerodp_config(stage, optimizer=ADAM, persistence_threshold=0)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     x = tiny_inputs(dist.get_rank(), 0)
     messages = []
 

@@ -6,6 +6,11 @@ weights stepped by AdamW after dividing out the same loss scale, then copied bac
 does exactly these operations (a reduce-scatter sums the same two values as the all-reduce),
 so with one micro-batch per step the results are bitwise equal. With accumulation zerodp
 keeps gradients in fp32 between micro-batches; the reference mirrors it.
+
+The parity runs use the shared driver (`tests.lockstep.Lockstep`): after every step the fp32
+masters and the bf16/fp16 weights are compared bitwise, and after every backward the full
+gradients at the mixed-precision tolerance of `zerodp.testing.parity` (except at stages 0
+and 1 with accumulation, where the reference holds local sums until the boundary).
 """
 
 from __future__ import annotations
@@ -17,27 +22,19 @@ import torch
 import torch.distributed as dist
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
+from tests.lockstep import Lockstep
 from tests.models import TinyNet, tiny_inputs
 from zerodp.monitor import ideal_model_state_bytes
-from zerodp.testing import ReferenceDP
+from zerodp.testing.parity import BITWISE
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BITWISE = {"rtol": 0.0, "atol": 0.0}
-
-
-def _config(stage: int, dtype: str, gas: int = 1, **fp16: object) -> dict:
-    config: dict = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
-    else:
-        config["fp16"] = {"enabled": True, "initial_scale_power": 8, **fp16}
-    return config
+DTYPES = ["bf16", "fp16"]
+# The recipe every test here trains with (fp16 starts at a loss scale of 2**8 unless told).
+RECIPE = {
+    "optimizer": optimizer_config("AdamW", lr=1e-2, weight_decay=0.01),
+    "clipping": 1.0,
+    "persistence_threshold": 0,
+}
 
 
 def _adamw(params: object) -> torch.optim.Optimizer:
@@ -45,47 +42,33 @@ def _adamw(params: object) -> torch.optim.Optimizer:
 
 
 def mixed_parity(stage: int, dtype: str, gas: int, steps: int, init: bool = False) -> None:
+    """Lockstep with the recipe: every gradient at the mixed tolerance, and after every step
+    the fp32 masters and the bf16/fp16 weights (and their dtype) bitwise."""
+    power = 8 if dtype == "fp16" else None
+    config = zerodp_config(stage, gas=gas, dtype=dtype, loss_scale_power=power, **RECIPE)
     torch.manual_seed(0)
     reference_model = TinyNet()
     if init:  # built already sharded, in fp32; the engine casts it
         torch.manual_seed(0)
-        with zerodp.zero.Init(config=_config(stage, dtype, gas)):
+        with zerodp.zero.Init(config=config):
             model = TinyNet()
     else:
         model = copy.deepcopy(reference_model)
-    reference = ReferenceDP(
-        reference_model,
+    run = Lockstep(
+        model,
+        config,
         _adamw,
-        dtype=DTYPES[dtype],
-        grad_dtype=torch.float32 if gas > 1 else DTYPES[dtype],
-        # Stages 0 and 1 sum micro-batches locally and reduce once, at the boundary.
-        defer_reduction=gas > 1 and stage in (0, 1),
+        reference_model=reference_model,
+        label=f"stage {stage}, {dtype}, gas {gas}, init {init}",
+        param_tolerance=BITWISE,
     )
-    engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage, dtype, gas))
-    rank = dist.get_rank()
     for step in range(steps):
-        scale = engine.loss_scale
         for micro in range(gas):
-            x = tiny_inputs(rank, step * gas + micro)
-            engine.backward(engine(x).float().square().mean())
-            reference.run_backward(
-                lambda x=x, scale=scale: (
-                    reference.model(x.to(DTYPES[dtype])).float().square().mean() * scale / gas
-                ).backward()
-            )
-            engine.step()
-        reference.reduce_local()
-        assert reference.step(loss_scale=scale, clip=1.0)
-        reference.zero_grad()
-        assert engine.skipped_steps == 0
-        for name, param in model.named_parameters():
-            ref_param = dict(reference.model.named_parameters())[name]
-            master = zerodp.utils.safe_get_full_fp32_param(param)
-            torch.testing.assert_close(master, reference.master(ref_param), **BITWISE)
-            with zerodp.zero.GatheredParameters([param]):
-                assert param.dtype == DTYPES[dtype]
-                torch.testing.assert_close(param.detach(), ref_param.detach(), **BITWISE)
-    engine.destroy()
+            out, ref_out = run.forward(tiny_inputs(run.rank, step * gas + micro))
+            run.backward((out.square().mean(), ref_out.square().mean()))
+            boundary = run.step()
+        assert boundary
+    run.close()
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -107,9 +90,10 @@ def test_accumulation_keeps_fp32_gradients(pools, stage: int) -> None:
 def overflow_skips_everywhere(stage: int, hysteresis: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = TinyNet()
-    engine, _, _, _ = zerodp.initialize(
-        model=model, config=_config(stage, "fp16", hysteresis=hysteresis)
+    config = zerodp_config(
+        stage, gas=1, dtype="fp16", loss_scale_power=8, fp16={"hysteresis": hysteresis}, **RECIPE
     )
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     rank = dist.get_rank()
     poison = {"on": False}
 
@@ -162,8 +146,14 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(pools, stage: int, hyste
 def loss_scale_floor() -> str:
     torch.manual_seed(0)
     model = TinyNet()
-    config = _config(2, "fp16", hysteresis=1, min_loss_scale=64.0)
-    config["fp16"]["initial_scale_power"] = 7
+    config = zerodp_config(
+        2,
+        gas=1,
+        dtype="fp16",
+        loss_scale_power=7,
+        fp16={"hysteresis": 1, "min_loss_scale": 64.0},
+        **RECIPE,
+    )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     model.fc2.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     x = tiny_inputs(dist.get_rank(), 0)
@@ -185,7 +175,8 @@ def mixed_memory(stage: int) -> tuple[int, int]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
     num_params = sum(p.numel() for p in model.parameters())
-    engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage, "bf16"))
+    config = zerodp_config(stage, gas=1, dtype="bf16", **RECIPE)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     engine.backward(engine(torch.randn(2, 128)).float().square().mean())
     engine.step()
     measured = engine.model_state_bytes().total

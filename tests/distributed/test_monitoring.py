@@ -1,4 +1,9 @@
-"""What the engine writes to its monitors, and the Hessian eigenvalue it estimates."""
+"""What the engine writes to its monitors, and the Hessian eigenvalue it estimates.
+
+The CSV rows are checked against the values the training loop saw on every rank (the
+window's loss averaged over ranks, the learning rate, the gradient norm); the eigenvalue
+against the exact top eigenvalue of a quadratic's mean Hessian.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
 from tests.models import TinyNet, tiny_inputs
 
 
@@ -23,14 +29,13 @@ def _rows(path: Path) -> list[tuple[int, float]]:
 
 def train_with_csv_monitor(directory: str) -> dict:
     torch.manual_seed(0)
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-        "zero_optimization": {"stage": 2},
-        "csv_monitor": {"enabled": True, "output_path": directory, "job_name": "job"},
-    }
+    config = zerodp_config(
+        2,
+        gas=2,
+        optimizer=optimizer_config("AdamW", lr=1e-2),
+        scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        csv_monitor={"enabled": True, "output_path": directory, "job_name": "job"},
+    )
     engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=config)
     expected: dict[str, list[tuple[int, float]]] = {"loss": [], "lr": [], "norm": []}
     losses = []
@@ -105,19 +110,20 @@ def _rank_matrices(rank: int, sizes: list[int]) -> tuple[list[torch.Tensor], lis
 def eigenvalues_of_quadratic(stage: int, directory: str) -> tuple[list[float], list[float]]:
     sizes = [6, 9]
     torch.manual_seed(0)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "csv_monitor": {"enabled": True, "output_path": directory, "job_name": "eig"},
-        "eigenvalue": {
+    config = zerodp_config(
+        stage,
+        micro_batch=1,
+        optimizer=optimizer_config("SGD", lr=1e-3),
+        persistence_threshold=0,
+        csv_monitor={"enabled": True, "output_path": directory, "job_name": "eig"},
+        eigenvalue={
             "enabled": True,
             "max_iter": 200,
             "tol": 1e-7,
             "layer_name": "blocks",
             "layer_num": 2,
         },
-    }
+    )
     engine, _, _, _ = zerodp.initialize(model=QuadraticBlocks(sizes), config=config)
     matrices, shifts = _rank_matrices(dist.get_rank(), sizes)
     engine.backward(engine(matrices, shifts))

@@ -2,8 +2,9 @@
 after every step, at world sizes 2 and 3 (170 parameters: padded shards at 3).
 
 The reference is computed in the test (`ReferenceDP`: a plain model copy per rank, each
-backward's gradients averaged with an explicit all_reduce). DDP runs alongside as a second
-witness; every case here is one where DDP is correct.
+backward's gradients averaged with an explicit all_reduce), driven in lockstep with zerodp by
+`tests.lockstep.Lockstep`. DDP runs alongside as a second witness; every case here is one
+where DDP is correct.
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import zerodp
+from tests.configs import zerodp_config
+from tests.lockstep import Lockstep
 from tests.models import TinyNet, tiny_inputs
-from zerodp.testing import ReferenceDP
-from zerodp.testing.parity import assert_grads_match, assert_params_match
 
 
 @dataclass(frozen=True)
@@ -97,43 +96,38 @@ def run_scenario(stage: int, name: str, bucket: int) -> None:
     scenario = SCENARIOS[name]
     torch.manual_seed(0)
     model = TinyNet()
-    ref_model = copy.deepcopy(model)
     ddp_model = DistributedDataParallel(copy.deepcopy(model))
-    rank = dist.get_rank()
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": scenario.gas,
-        "optimizer": scenario.optimizer,
-        "gradient_clipping": scenario.clip,
-        "zero_optimization": {
-            "stage": stage,
-            "reduce_bucket_size": bucket,
-            "stage3_param_persistence_threshold": 12,
-        },
-    }
-    groups_fn = _param_groups if scenario.two_groups else None
-    engine, _, _, _ = zerodp.initialize(
-        model=model,
-        config=config,
-        model_parameters=_param_groups(model) if scenario.two_groups else None,
+    config = zerodp_config(
+        stage,
+        gas=scenario.gas,
+        optimizer=scenario.optimizer,
+        clipping=scenario.clip,
+        persistence_threshold=12,
+        zero={"reduce_bucket_size": bucket},
     )
     optimizer_class = getattr(torch.optim, scenario.reference_optimizer)
 
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
         return optimizer_class(params, **scenario.reference_kwargs)
 
-    reference = ReferenceDP(ref_model, make_optimizer, groups_fn)
+    # Gradients compared after every micro-batch, weights after every step (in Lockstep).
+    run = Lockstep(
+        model,
+        config,
+        make_optimizer,
+        param_groups=_param_groups if scenario.two_groups else None,
+        label=f"stage {stage}, {name}",
+    )
     ddp_params = _param_groups(ddp_model.module) if scenario.two_groups else ddp_model.parameters()
     ddp_optimizer = make_optimizer(ddp_params)
 
     for step in range(scenario.steps):
         for micro in range(scenario.gas):
-            x = tiny_inputs(rank, step * scenario.gas + micro)
-            engine.backward(_loss(engine, x))
-            reference.run_backward(lambda x=x: (_loss(ref_model, x) / scenario.gas).backward())
+            x = tiny_inputs(run.rank, step * scenario.gas + micro)
+            out, ref_out = run.forward(x)
+            run.backward((out.square().mean(), ref_out.square().mean()))
             (_loss(ddp_model, x) / scenario.gas).backward()
             where = f"stage {stage}, {name}, step {step}, micro-batch {micro}"
-            assert_grads_match(model, reference, where)
             if stage == 0 and micro == scenario.gas - 1:
                 # Stage 0 shows the averaged gradient as .grad once the boundary reduced it
                 # (between boundaries .grad holds this rank's local sum, as under DDP's no_sync).
@@ -141,20 +135,17 @@ def run_scenario(stage: int, name: str, bucket: int) -> None:
                     model.parameters(), ddp_model.parameters(), strict=True
                 ):
                     torch.testing.assert_close(param.grad, ddp_param.grad, msg=f"{where}: DDP")
-            engine.step()
+            boundary = run.step()
+        assert boundary, f"stage {stage}, {name}: step {step} ended without a boundary"
         if scenario.clip:
-            reference.clip(scenario.clip)
             torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), scenario.clip)
-        reference.step()
-        reference.zero_grad()
         ddp_optimizer.step()
         ddp_optimizer.zero_grad()
-        assert_params_match(model, reference, f"stage {stage}, {name}, after step {step}")
         for ref_param, ddp_param in zip(
-            ref_model.parameters(), ddp_model.parameters(), strict=True
+            run.ref_model.parameters(), ddp_model.parameters(), strict=True
         ):
             torch.testing.assert_close(ref_param, ddp_param, msg="the reference disagrees with DDP")
-    engine.destroy()
+    run.close()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -1,7 +1,9 @@
 """Stage 3 specifics: model structures, parameter status, Init, GatheredParameters, prefetch.
 
 The parity matrix (test_parity_matrix.py) already runs stage 3 through the same scenarios as
-stages 0-2; here are the structures and features only stage 3 has to get right.
+stages 0-2; here are the structures and features only stage 3 has to get right. Training is
+compared with the data-parallel reference (`ReferenceDP`); a build under `Init` with a
+normal build of the same model (`tests.models.TinyGPT`, embeddings tied).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import torch.distributed as dist
 from torch import nn
 
 import zerodp
-from examples.gpt import GPT, GPTConfig
+from tests.configs import optimizer_config, zerodp_config
+from tests.lockstep import assert_all_released
 from tests.models import (
     FunctionalTiedLM,
     SharedBlockNet,
     TiedLM,
+    TinyGPT,
+    TinyGPTConfig,
     TinyNet,
     tiny_inputs,
     token_inputs,
@@ -26,7 +31,7 @@ from tests.models import (
 from zerodp.monitor import ideal_model_state_bytes
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_grads_match, assert_params_match
-from zerodp.zero import GatheredParameters, Init, ParamStatus, is_persistent, param_status
+from zerodp.zero import GatheredParameters, Init, ParamStatus, param_status
 
 STRUCTURES = {
     "tied_embeddings": (TiedLM, token_inputs),
@@ -35,28 +40,11 @@ STRUCTURES = {
 }
 
 
-def _config(threshold: int, **zero: object) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": threshold,
-            **zero,
-        },
-    }
+ADAMW = optimizer_config("AdamW", lr=1e-2, weight_decay=0.01)
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
-
-
-def assert_released(model: nn.Module) -> None:
-    for name, param in model.named_parameters():
-        status = param_status(param)
-        assert status is not ParamStatus.INFLIGHT, name
-        if not is_persistent(param):
-            assert status is ParamStatus.NOT_AVAILABLE, (name, status)
 
 
 def structure_parity(structure: str, threshold: int, steps: int = 3) -> None:
@@ -64,7 +52,8 @@ def structure_parity(structure: str, threshold: int, steps: int = 3) -> None:
     torch.manual_seed(0)
     model = model_class()
     ref_model = copy.deepcopy(model)
-    engine, _, _, _ = zerodp.initialize(model=model, config=_config(threshold))
+    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=threshold)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
     rank = dist.get_rank()
     for step in range(steps):
@@ -77,7 +66,7 @@ def structure_parity(structure: str, threshold: int, steps: int = 3) -> None:
         engine.step()
         reference.step()
         reference.zero_grad()
-        assert_released(model)  # after step(): nothing gathered, nothing in flight
+        assert_all_released(model, 3)  # after step(): nothing gathered, nothing in flight
         assert_params_match(model, reference, f"{structure}, after step {step}")
     engine.destroy()
 
@@ -92,8 +81,8 @@ def test_structures_match_reference(pools, structure: str, threshold: int, world
 # -- zero.Init -----------------------------------------------------------------------------
 
 
-def _gpt_config() -> GPTConfig:
-    return GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+def _gpt_config() -> TinyGPTConfig:
+    return TinyGPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
 
 def init_matches_normal_build() -> None:
@@ -101,10 +90,10 @@ def init_matches_normal_build() -> None:
     torch.manual_seed(dist.get_rank())  # different seeds: Init must still agree with rank 0
     if dist.get_rank() == 0:
         torch.manual_seed(1234)
-    with Init(config=_config(0)):
-        sharded = GPT(cfg)
+    with Init(config=zerodp_config(3, optimizer=ADAMW, persistence_threshold=0)):
+        sharded = TinyGPT(cfg)
     torch.manual_seed(1234)
-    normal = GPT(cfg)
+    normal = TinyGPT(cfg)
     assert all(param_status(p) is ParamStatus.NOT_AVAILABLE for p in sharded.parameters())
     with GatheredParameters(list(sharded.parameters())):
         for (name, p), q in zip(sharded.named_parameters(), normal.parameters(), strict=True):
@@ -117,13 +106,13 @@ def test_init_matches_a_normal_build_with_the_same_seed(pools) -> None:
 
 
 def init_memory_and_training() -> dict[str, int]:
-    cfg = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=2, d_model=64)
+    cfg = TinyGPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=2, d_model=64)
     torch.manual_seed(0)
-    reference_model = GPT(cfg)
-    config = _config(0)
+    reference_model = TinyGPT(cfg)
+    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=0)
     torch.manual_seed(0)
     with Init(config=config):
-        model = GPT(cfg)
+        model = TinyGPT(cfg)
     num_params = reference_model.num_params()
     world_size = dist.get_world_size()
     held = sum(
@@ -171,7 +160,8 @@ def test_init_memory_is_a_shard_and_training_matches(pools) -> None:
 def gathered_parameters_modifier() -> None:
     torch.manual_seed(0)
     model = TinyNet()
-    engine, _, _, _ = zerodp.initialize(model=model, config=_config(0))
+    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=0)
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
     rank = dist.get_rank()
     weight = model.fc1.weight
     with GatheredParameters([weight]), torch.no_grad():
@@ -222,7 +212,12 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
     torch.manual_seed(0)
     model = BranchNet()
     ref_model = copy.deepcopy(model)
-    config = _config(0, stage3_prefetch_bucket_size=10_000, stage3_max_live_parameters=max_live)
+    config = zerodp_config(
+        3,
+        optimizer=ADAMW,
+        persistence_threshold=0,
+        zero={"stage3_prefetch_bucket_size": 10_000, "stage3_max_live_parameters": max_live},
+    )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
     coordinator = engine.params.coordinator
@@ -236,7 +231,7 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
         engine.step()
         reference.step()
         reference.zero_grad()
-        assert_released(model)
+        assert_all_released(model, 3)
     largest = max(s.flat.padded_numel for s in engine.params.sharded_states)
     report = {
         "divergences": coordinator.forward_trace.num_divergences,

@@ -9,6 +9,7 @@ import sys
 import torch
 
 import zerodp
+from tests.configs import optimizer_config, zerodp_config
 from tests.models import TinyNet, tiny_inputs
 
 
@@ -19,11 +20,13 @@ def main() -> None:
         model = TinyNet()
         reference = copy.deepcopy(model)
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
-        config = {
-            "train_batch_size": 4,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        }
+        config = zerodp_config(  # the global batch only: the micro batch follows from it
+            stage,
+            micro_batch=None,
+            optimizer=optimizer_config("AdamW", lr=1e-2, weight_decay=0.0),
+            persistence_threshold=0,
+            train_batch_size=4,
+        )
         engine, _, _, _ = zerodp.initialize(model=model, config=config)
         assert engine.world_size == 1
         for step in range(3):
