@@ -52,6 +52,13 @@ def initialize(
     torchrun's environment when it is not up yet; the config is validated
     first, on every rank, so a bad config fails everywhere before any
     collective.
+
+    "auto" values (as the HF Trainer writes them) are filled from the other
+    arguments: the micro batch from a DataLoader passed as `training_data`
+    (the engine then shards its dataset itself), optimizer settings from an
+    optimizer instance, bucket sizes from the model's hidden size, fp16/bf16
+    from the model's dtype. DeepSpeed keys that change nothing in zerodp are
+    listed in one warning on rank 0.
     """
     if model is None:
         raise ValueError("zerodp.initialize needs model=")
@@ -63,14 +70,23 @@ def initialize(
         raise ValueError("zerodp.initialize needs config= (a dict or a path to a JSON file)")
     from zerodp.comm import ensure_process_group
     from zerodp.comm.group import is_initialized
+    from zerodp.config.hints import hints_from_arguments
 
-    world_size = _world_size_hint() if not is_initialized() else None
+    world_size, rank = _world_hint() if not is_initialized() else (None, 0)
     if world_size is None:
         ensure_process_group()
         import torch.distributed as dist
 
-        world_size = dist.get_world_size()
-    resolved = load_config(config, world_size=world_size)
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+    hints = hints_from_arguments(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        world_size=world_size,
+    )
+    resolved = load_config(config, world_size=world_size, hints=hints, rank=rank)
+    training_data, collate_fn = _unwrap_loader(training_data, collate_fn)
     engine = ZeroEngine(
         module=model,
         config=resolved,
@@ -83,8 +99,19 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _world_size_hint() -> int:
-    """The world size torchrun announced, read before any process group exists."""
+def _world_hint() -> tuple[int, int]:
+    """The world size and rank torchrun announced, read before any process group exists."""
     import os
 
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+def _unwrap_loader(
+    training_data: Any, collate_fn: Callable[[list[Any]], Any] | None
+) -> tuple[Any, Callable[[list[Any]], Any] | None]:
+    """A DataLoader's dataset and collate_fn: the engine builds its own sharded loader."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(training_data, DataLoader):
+        return training_data, collate_fn
+    return training_data.dataset, collate_fn or training_data.collate_fn
