@@ -22,7 +22,7 @@ from typing import Any
 
 from zerodp.config.compat.aliases import OPTIMIZER_TYPES, RENAMES, SWITCHES, apply_aliases
 from zerodp.config.compat.ignored import IGNORED, Ignored
-from zerodp.config.compat.kinds import check_value, get, has, pop, show
+from zerodp.config.compat.kinds import check_value, get, has, pop, show, unknown_key
 from zerodp.config.compat.unsupported import (
     UNSUPPORTED,
     UNSUPPORTED_OPTIMIZERS,
@@ -68,7 +68,28 @@ def translate(data: dict[str, Any]) -> Translation:
     _unsupported_types(data, problems)
     for ignored in IGNORED:
         _ignored(data, ignored, notices, problems)
+    for container in CONTAINERS:
+        _leftovers(data, container, problems)
     return Translation(data, tuple(notices), tuple(problems))
+
+
+# DeepSpeed sections zerodp has no model for, whose keys the tables list one by one.
+CONTAINERS = ("checkpoint",)
+
+
+def _leftovers(data: dict[str, Any], container: str, problems: list[str]) -> None:
+    """After the tables took their keys, what remains of `container` is misspelled."""
+    if container not in data:
+        return
+    rest = data.pop(container)
+    if not isinstance(rest, dict):
+        problems.append(
+            f"config key '{container}': got {show(rest)}; allowed: a JSON object "
+            "(mapping of keys to values)"
+        )
+        return
+    known = dict.fromkeys(known_keys(container))
+    problems.extend(unknown_key(f"{container}.{key}", known) for key in rest)
 
 
 def _ignored(
@@ -133,13 +154,17 @@ def known_keys(section: str) -> frozenset[str]:
 
 
 def format_notice(notices: tuple[Notice, ...] | list[Notice]) -> str:
-    """The one config warning: what was accepted without effect, the ones that differ first."""
-    ordered = sorted(notices, key=lambda n: not n.differs)
-    count = len(ordered)
+    """The one config warning: the keys whose value asks for more first, then the rest.
+
+    Keys with the same reason share a line, so the warning stays short.
+    """
+    count = len(notices)
     noun = "key has" if count == 1 else "keys have"
-    head = f"zerodp: {count} DeepSpeed config {noun} no effect here"
-    lines = [f"{head} (every key: docs/configuration.md):"]
-    for notice in ordered:
-        sep = " " if notice.differs else ": "
-        lines.append(f"  - {notice.path}{sep}{notice.text}")
+    lines = [f"zerodp: {count} DeepSpeed config {noun} no effect here (see docs/configuration.md):"]
+    lines += [f"  - {n.path} {n.text}" for n in notices if n.differs]
+    grouped: dict[str, list[str]] = {}
+    for notice in notices:
+        if not notice.differs:
+            grouped.setdefault(notice.text, []).append(notice.path)
+    lines += [f"  - {', '.join(paths)}: {text}" for text, paths in grouped.items()]
     return "\n".join(lines)
