@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.config.compat.aliases import OPTIMIZER_TYPES, RENAMES, SWITCHES, apply_aliases
+from zerodp.config.compat.aliases import ALIAS_PATHS, OPTIMIZER_TYPES, RENAMES, apply_aliases
 from zerodp.config.compat.ignored import IGNORED, Ignored
 from zerodp.config.compat.kinds import check_value, get, has, pop, show, unknown_key
 from zerodp.config.compat.unsupported import (
@@ -31,6 +31,7 @@ from zerodp.config.compat.unsupported import (
 )
 
 __all__ = [
+    "ALIAS_PATHS",
     "IGNORED",
     "OPTIMIZER_TYPES",
     "RENAMES",
@@ -122,6 +123,8 @@ def _unsupported(
             pop(data, entry.path)
             notices.append(Notice(entry.path, entry.off_note()))
         return
+    if not entry.schema_key:
+        pop(data, entry.path)  # reported here; later steps must not trip over it again
     origin = written.get(entry.path)
     shown = f"'{entry.path}' = {show(value)}" + (f", from '{origin}'" if origin else "")
     problems.append(f"zerodp does not implement {entry.feature} ({shown}); {entry.instead}")
@@ -142,8 +145,7 @@ def _unsupported_types(data: dict[str, Any], problems: list[str]) -> None:
 
 def known_keys(section: str) -> frozenset[str]:
     """Key names the tables know inside `section` ("" is the top level): for "did you mean"."""
-    paths = [e.path for e in IGNORED] + [e.path for e in UNSUPPORTED]
-    paths += [old for old, _ in RENAMES] + [flag for flag, _, _ in SWITCHES]
+    paths = [e.path for e in IGNORED] + [e.path for e in UNSUPPORTED] + list(ALIAS_PATHS)
     prefix = f"{section}." if section else ""
     names = set()
     for path in paths:

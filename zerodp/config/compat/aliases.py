@@ -71,6 +71,13 @@ OPTIMIZER_TYPES: dict[str, str] = {
 
 _PIN = "zero_optimization.cpu_offload_use_pin_memory"
 
+# Every older or alternative key path this module rewrites (for "did you mean" and the docs).
+ALIAS_PATHS: tuple[str, ...] = (
+    *(old for old, _ in RENAMES),
+    *(flag for flag, _, _ in SWITCHES),
+    _PIN,
+)
+
 
 def apply_aliases(data: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     """Rewrite `data` in place; returns (canonical path -> name written, problems)."""

@@ -42,7 +42,8 @@ def _compression_off(value: Any) -> bool:
 
 
 def _no_offload(value: Any) -> bool:
-    return value in ("none", "auto", None)
+    """Only "cpu" and "nvme" ask for offload; any other value is the typed section's to check."""
+    return not (isinstance(value, str) and value.lower() in ("cpu", "nvme"))
 
 
 @dataclass(frozen=True)
