@@ -8,8 +8,9 @@ from typing import Any
 
 from zerodp import utils, zero
 from zerodp.backward.step_gate import GradientState
-from zerodp.comm import current_world_size, ensure_process_group, is_initialized
+from zerodp.comm import current_rank, current_world_size, ensure_process_group, is_initialized
 from zerodp.config import ZeroDPConfig, load_config
+from zerodp.config.hints import hints_from_arguments
 from zerodp.engine import ZeroEngine
 from zerodp.errors import (
     AgreedError,
@@ -17,6 +18,7 @@ from zerodp.errors import (
     CheckpointPathError,
     CheckpointStorageError,
     ConfigError,
+    ConfigWarning,
     LifecycleError,
     LossScaleError,
     ParamStateError,
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointPathError",
     "CheckpointStorageError",
     "ConfigError",
+    "ConfigWarning",
     "GradientState",
     "LifecycleError",
     "LossScaleError",
@@ -63,6 +66,13 @@ def initialize(
     torchrun's environment when it is not up yet; the config is validated
     first, on every rank, so a bad config fails everywhere before any
     collective.
+
+    "auto" values (as the HF Trainer writes them) are filled from the other
+    arguments: the micro batch from a DataLoader passed as `training_data`
+    (the engine then shards its dataset itself), optimizer settings from an
+    optimizer instance, bucket sizes from the model's hidden size, fp16/bf16
+    from the model's dtype. DeepSpeed keys that change nothing in zerodp are
+    listed in one warning on rank 0.
     """
     if model is None:
         raise ValueError("zerodp.initialize needs model=")
@@ -73,11 +83,20 @@ def initialize(
     if config is None:
         raise ValueError("zerodp.initialize needs config= (a dict or a path to a JSON file)")
     if is_initialized():
-        world_size = current_world_size()
+        world_size, rank = current_world_size(), current_rank()
     else:
         # Validate before setting up the process group: torchrun announced the size.
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    resolved = load_config(config, world_size=world_size)
+        rank = int(os.environ.get("RANK", "0"))
+    hints = hints_from_arguments(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        world_size=world_size,
+    )
+    resolved = load_config(config, world_size=world_size, hints=hints, rank=rank)
+    training_data, collate_fn = _unwrap_loader(training_data, collate_fn)
     ensure_process_group()
     engine = ZeroEngine(
         module=model,
@@ -89,3 +108,14 @@ def initialize(
         collate_fn=collate_fn,
     )
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _unwrap_loader(
+    training_data: Any, collate_fn: Callable[[list[Any]], Any] | None
+) -> tuple[Any, Callable[[list[Any]], Any] | None]:
+    """A DataLoader's dataset and collate_fn: the engine builds its own sharded loader."""
+    from torch.utils.data import DataLoader
+
+    if not isinstance(training_data, DataLoader):
+        return training_data, collate_fn
+    return training_data.dataset, collate_fn or training_data.collate_fn

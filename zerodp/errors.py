@@ -21,6 +21,10 @@ class ConfigError(ZeroDPError, ValueError):
     """A configuration value is missing, misspelled, of the wrong type or out of range."""
 
 
+class ConfigWarning(UserWarning):
+    """A config was accepted, but some of its keys change nothing (each one says why)."""
+
+
 class LifecycleError(ZeroDPError):
     """A call came in an order the engine cannot honour (e.g. `step()` inside backward)."""
 

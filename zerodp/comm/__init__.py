@@ -8,6 +8,7 @@ wraps the collectives zerodp uses in typed calls that also count bytes. Only
 
 from zerodp.comm.collectives import CollectiveKind, Comm, CommStats, Handle, broadcast_tensors
 from zerodp.comm.group import (
+    current_rank,
     current_world_size,
     default_device,
     destroy_process_group_if_owned,
@@ -21,6 +22,7 @@ __all__ = [
     "CommStats",
     "Handle",
     "broadcast_tensors",
+    "current_rank",
     "current_world_size",
     "default_device",
     "destroy_process_group_if_owned",

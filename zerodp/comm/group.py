@@ -29,6 +29,11 @@ def current_world_size() -> int:
     return dist.get_world_size()
 
 
+def current_rank() -> int:
+    """This process's rank in the default process group (it must be set up)."""
+    return dist.get_rank()
+
+
 def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 

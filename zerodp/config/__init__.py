@@ -5,44 +5,62 @@ hands to `initialize` (a dict, a JSON file path, or an already built
 `ZeroDPConfig`), validates it, resolves the batch sizes for the world size,
 and returns a frozen config. It is purely local and deterministic, so every
 rank can call it before the first collective and fail the same way.
+
+A DeepSpeed config goes through three steps before validation: its older key
+names are rewritten and the keys that change nothing here are dropped
+(`compat`), and its "auto" values are filled from `AutoHints` (`auto`).
+Every problem those steps find is reported in one `ConfigError`; the keys
+accepted without effect are reported in one `ConfigWarning`, on rank 0.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from zerodp.config.auto import AutoHints, resolve_auto
 from zerodp.config.batch import BatchSizes, resolve_batch_sizes
+from zerodp.config.compat import Notice, format_notice, translate
 from zerodp.config.errors import show_value
 from zerodp.config.model import (
-    AdamParams,
     BF16Config,
     EigenvalueConfig,
     FP16Config,
     MonitorConfig,
-    OptimizerConfig,
+    ZeroConfig,
+    ZeroDPConfig,
+    ZeroOptimizationConfig,
+)
+from zerodp.config.offload import OffloadConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zerodp.config.optimizer import AdamParams, OptimizerConfig, SGDParams
+from zerodp.config.scheduler import (
     SchedulerConfig,
-    SGDParams,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
-    ZeroConfig,
-    ZeroDPConfig,
 )
-from zerodp.errors import ConfigError
+from zerodp.errors import ConfigError, ConfigWarning
 
 __all__ = [
     "AdamParams",
+    "AutoHints",
     "BF16Config",
     "BatchSizes",
     "ConfigError",
     "ConfigSource",
+    "ConfigWarning",
     "EigenvalueConfig",
     "FP16Config",
     "MonitorConfig",
+    "OffloadConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "OptimizerConfig",
     "SGDParams",
     "SchedulerConfig",
@@ -51,16 +69,32 @@ __all__ = [
     "WarmupLRParams",
     "ZeroConfig",
     "ZeroDPConfig",
+    "ZeroOptimizationConfig",
     "load_config",
+    "resolve_auto",
     "resolve_batch_sizes",
 ]
 
 ConfigSource: TypeAlias = "Mapping[str, Any] | str | os.PathLike[str] | ZeroDPConfig"
 
 
-def load_config(config: ConfigSource, world_size: int) -> ZeroDPConfig:
-    """Validate `config` and return it frozen, with all three batch sizes resolved."""
-    parsed = config if isinstance(config, ZeroDPConfig) else ZeroDPConfig(**_as_dict(config))
+def load_config(
+    config: ConfigSource,
+    world_size: int,
+    *,
+    hints: AutoHints | None = None,
+    rank: int = 0,
+) -> ZeroDPConfig:
+    """Validate `config` and return it frozen, with all three batch sizes resolved.
+
+    `hints` fill "auto" values (without them, only the batch sizes and the
+    constant rules can be filled); `rank` 0 emits the warning listing the
+    DeepSpeed keys that were accepted without effect, other ranks stay quiet.
+    """
+    if isinstance(config, ZeroDPConfig):
+        parsed = config
+    else:
+        parsed = _parse(_as_dict(config), _hints_for(hints, world_size), rank)
     sizes = resolve_batch_sizes(
         parsed.train_batch_size,
         parsed.train_micro_batch_size_per_gpu,
@@ -74,6 +108,45 @@ def load_config(config: ConfigSource, world_size: int) -> ZeroDPConfig:
             "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
         }
     )
+
+
+def _hints_for(hints: AutoHints | None, world_size: int) -> AutoHints:
+    hints = hints or AutoHints()
+    if hints.world_size is None:
+        return dataclasses.replace(hints, world_size=world_size)
+    if hints.world_size != world_size:
+        raise ValueError(
+            f"hints.world_size {hints.world_size} != world_size {world_size}; pass one world size"
+        )
+    return hints
+
+
+def _parse(raw: dict[str, Any], hints: AutoHints, rank: int) -> ZeroDPConfig:
+    """DeepSpeed compatibility, then "auto", then validation; one error for all problems."""
+    translation = translate(copy.deepcopy(raw))
+    notices = list(translation.notices) + _replaced_blocks(translation.data, hints)
+    problems = list(translation.problems)
+    try:
+        data = resolve_auto(translation.data, hints)
+    except ConfigError as exc:
+        problems += str(exc).splitlines()
+        data = {}
+    if problems:
+        raise ConfigError("\n".join(problems))
+    parsed = ZeroDPConfig(**data)
+    if notices and rank == 0:
+        warnings.warn(format_notice(notices), ConfigWarning, stacklevel=3)
+    return parsed
+
+
+def _replaced_blocks(data: Mapping[str, Any], hints: AutoHints) -> list[Notice]:
+    """Config blocks the engine will not use, because initialize was given an instance."""
+    out = []
+    if hints.optimizer_given and "optimizer" in data:
+        out.append(Notice("optimizer", "unused: the optimizer passed to initialize replaces it"))
+    if hints.lr_scheduler_given and "scheduler" in data:
+        out.append(Notice("scheduler", "unused: the lr_scheduler passed to initialize replaces it"))
+    return out
 
 
 def _as_dict(config: object) -> dict[str, Any]:

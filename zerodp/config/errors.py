@@ -112,12 +112,17 @@ def _messages(errors: list[Any], model: type[BaseModel], prefix: Loc) -> list[st
 
 
 def _unknown_key(loc: Loc, section: type[BaseModel] | None) -> str:
+    # Local import: the compat tables import this module's helpers.
+    from zerodp.config.compat import known_keys
+
     key = str(loc[-1])
     head = f"unknown config key '{join_path(loc)}'"
     allowed = sorted(section.model_fields) if section is not None else []
     if not allowed:
         return f"{head}; remove it"
-    close = difflib.get_close_matches(key, allowed, n=1)
+    # A typo of a DeepSpeed key zerodp accepts (without effect) is still a typo of that key.
+    candidates = sorted(set(allowed) | known_keys(join_path(loc[:-1])))
+    close = difflib.get_close_matches(key, candidates, n=1)
     if close:
         return f"{head}; did you mean '{close[0]}'?"
     return f"{head}; allowed keys here: {', '.join(allowed)}"

@@ -6,7 +6,9 @@ by all ranks) is skipped. The scale halves once `hysteresis` overflows have
 been seen since it last changed, never below `min_loss_scale`; an overflow
 at the minimum raises, since training cannot make progress there. After
 `loss_scale_window` clean steps in a row it doubles and the hysteresis budget
-is restored.
+is restored. With `consecutive_hysteresis` (DeepSpeed's `fp16` key of that
+name) the budget is restored after every clean step instead, so only
+overflows in a row count towards halving.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ class LossScaler:
         window: int = 1000,
         hysteresis: int = 2,
         min_scale: float = 1.0,
+        consecutive_hysteresis: bool = False,
     ) -> None:
         self.scale = float(scale)
         self.dynamic = dynamic
         self.window = window
         self.hysteresis = hysteresis
         self.min_scale = min_scale
+        self.consecutive_hysteresis = consecutive_hysteresis
         self.hysteresis_left = hysteresis
         self.clean_steps = 0
         self.overflows = 0
@@ -50,6 +54,8 @@ class LossScaler:
     def update(self, overflow: bool) -> None:
         if not overflow:
             self.clean_steps += 1
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
             if self.dynamic and self.clean_steps % self.window == 0:
                 self.scale *= 2.0
                 self.hysteresis_left = self.hysteresis
@@ -116,4 +122,5 @@ def loss_scaler_from_config(fp16: FP16Config) -> LossScaler:
         window=fp16.loss_scale_window,
         hysteresis=fp16.hysteresis,
         min_scale=fp16.min_loss_scale,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
     )

@@ -1,0 +1,321 @@
+"""DeepSpeed features zerodp does not implement, and what to do instead.
+
+A key here is an error unless its value leaves the feature off (`off`), for
+example a block with `"enabled": false`: such a key is accepted, changes
+nothing, and is listed in the config warning. The message always reads
+"zerodp does not implement ...", never "unknown key": the user spelled the
+key right, and needs to hear that the feature is missing, not that they
+made a typo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+def _is(*expected: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value == e and type(value) is type(e) for e in expected)
+
+
+def _disabled(value: Any) -> bool:
+    """DeepSpeed's convention: a feature block is off unless `"enabled": true`."""
+    return isinstance(value, dict) and value.get("enabled", False) is False
+
+
+def _compression_off(value: Any) -> bool:
+    """Every technique of `compression_training` has `shared_parameters.enabled`."""
+    if not isinstance(value, dict):
+        return False
+    for technique in value.values():
+        if not isinstance(technique, dict):
+            return False
+        shared = technique.get("shared_parameters", technique)
+        if not isinstance(shared, dict) or shared.get("enabled", False) is not False:
+            return False
+    return True
+
+
+def _no_offload(value: Any) -> bool:
+    """Only "cpu" and "nvme" ask for offload; any other value is the typed section's to check."""
+    return not (isinstance(value, str) and value.lower() in ("cpu", "nvme"))
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    path: str
+    feature: str  # "zerodp does not implement <feature>"
+    instead: str  # what to do
+    off: Callable[[Any], bool] = _never  # values that leave the feature off (accepted)
+    schema_key: bool = False  # a typed section owns the key: checked here, kept for it
+    off_why: str = ""  # the warning's text for an accepted value (default: "off (...)")
+
+    def off_note(self) -> str:
+        return self.off_why or f"off; zerodp does not implement {self.feature}"
+
+
+_SET_DISABLED = 'set "enabled": false (or remove the block)'
+
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported(
+        "amp",
+        "NVIDIA Apex AMP",
+        'use "bf16": {"enabled": true} or "fp16": {"enabled": true}, and remove the block',
+        _disabled,
+    ),
+    Unsupported(
+        "torch_autocast",
+        "torch.autocast mixed precision",
+        'use "bf16" or "fp16" (zerodp casts the model), or call torch.autocast in your '
+        'forward yourself; then set "enabled": false',
+        _disabled,
+    ),
+    Unsupported(
+        "hybrid_engine",
+        "the Hybrid Engine",
+        "generate with the module itself under torch.no_grad() between training steps "
+        f"(DeepSpeed's inference kernels are not part of zerodp); {_SET_DISABLED}",
+        _disabled,
+    ),
+    Unsupported(
+        "pipeline",
+        "pipeline parallelism",
+        "remove the block; zerodp trains the whole model data-parallel (stage 3 shards it)",
+    ),
+    Unsupported(
+        "sparse_attention",
+        "sparse attention kernels",
+        "remove the block and use torch's scaled_dot_product_attention (or a sparse "
+        "attention package) inside the model",
+    ),
+    Unsupported(
+        "data_efficiency",
+        "the Data Efficiency library (curriculum sampling, random-LTD)",
+        f"order and drop data in your own data loader; {_SET_DISABLED}",
+        _disabled,
+    ),
+    Unsupported(
+        "curriculum_learning",
+        "curriculum learning",
+        f"order the data in your own data loader; {_SET_DISABLED}",
+        _disabled,
+    ),
+    Unsupported(
+        "autotuning",
+        "the autotuner",
+        f"choose train_micro_batch_size_per_gpu and the ZeRO stage yourself; {_SET_DISABLED}",
+        _disabled,
+    ),
+    Unsupported(
+        "elasticity",
+        "elastic batch sizes",
+        f"set the batch sizes directly; {_SET_DISABLED}",
+        _disabled,
+    ),
+    Unsupported(
+        "compression_training",
+        "the compression library (quantization-aware training, pruning, layer reduction)",
+        "remove the block (or disable every technique in it)",
+        _compression_off,
+    ),
+    Unsupported(
+        "progressive_layer_drop",
+        "progressive layer dropping",
+        _SET_DISABLED,
+        _disabled,
+    ),
+    Unsupported(
+        "quantize_training",
+        "quantization-aware training (MoQ)",
+        _SET_DISABLED,
+        _disabled,
+    ),
+    Unsupported(
+        "weight_quantization",
+        "weight quantization",
+        "remove the block",
+    ),
+    Unsupported(
+        "aio",
+        "asynchronous NVMe I/O",
+        "remove the block (it only serves NVMe offload, which zerodp does not have yet)",
+    ),
+    Unsupported(
+        "nebula",
+        "the Nebula checkpoint service",
+        f"zerodp saves with torch.distributed.checkpoint; {_SET_DISABLED}",
+        _disabled,
+    ),
+    Unsupported(
+        "wandb",
+        "the WandB monitor",
+        'log from your training loop, or use "tensorboard" or "csv_monitor"; ' + _SET_DISABLED,
+        _disabled,
+    ),
+    Unsupported(
+        "comet",
+        "the Comet monitor",
+        'log from your training loop, or use "tensorboard" or "csv_monitor"; ' + _SET_DISABLED,
+        _disabled,
+    ),
+    Unsupported(
+        "tensor_parallel",
+        "tensor parallelism (AutoTP)",
+        'remove the block (or set "autotp_size" to 0); zerodp is data-parallel only',
+        lambda v: isinstance(v, dict) and v.get("autotp_size", 0) in (0, 1),
+    ),
+    Unsupported(
+        "expert_parallel",
+        "expert parallelism (AutoEP)",
+        _SET_DISABLED,
+        _disabled,
+    ),
+    Unsupported(
+        "compile",
+        "DeepCompile",
+        'apply torch.compile to your model yourself; set "deepcompile": false',
+        lambda v: isinstance(v, dict) and not v.get("deepcompile", False),
+    ),
+    Unsupported(
+        "gradient_allreduce_op",
+        "un-averaged (sum) gradient reduction",
+        "remove the key: zerodp averages over ranks (multiply the loss by the world size "
+        "for a sum)",
+        lambda v: isinstance(v, str) and v.lower() == "mean",
+    ),
+    Unsupported(
+        "checkpoint.use_node_local_storage",
+        "node-local checkpoint storage",
+        "save to a directory every rank can reach, or set it to false",
+        _is(False),
+    ),
+    Unsupported(
+        "checkpoint.parallel_write",
+        "pipeline-stage parallel checkpoint writes",
+        'remove it (or set "pipeline_stage": false)',
+        lambda v: isinstance(v, dict) and not v.get("pipeline_stage", False),
+    ),
+    Unsupported(
+        "checkpoint.writer",
+        "DeepSpeed's checkpoint writers (the fast and decoupled checkpoint engines)",
+        "remove it; zerodp writes with torch.distributed.checkpoint",
+        _is(None),
+    ),
+    Unsupported(
+        "zero_optimization.offload_optimizer.device",
+        "optimizer offload (to CPU or NVMe) yet",
+        'set "device": "none" to keep optimizer state on the accelerator (offload is planned)',
+        _no_offload,
+        schema_key=True,
+    ),
+    Unsupported(
+        "zero_optimization.offload_param.device",
+        "parameter offload (to CPU or NVMe) yet",
+        'set "device": "none" to keep parameters on the accelerator (offload is planned); '
+        "stage 3 already shards them",
+        _no_offload,
+        schema_key=True,
+    ),
+    Unsupported(
+        "zero_optimization.zero_hpz_partition_size",
+        "ZeRO++ hierarchical partitioning (hpZ)",
+        "set it to 1",
+        _is(1),
+    ),
+    Unsupported(
+        "zero_optimization.zero_quantized_weights",
+        "ZeRO++ quantized weights",
+        "set it to false",
+        _is(False),
+    ),
+    Unsupported(
+        "zero_optimization.zero_quantized_nontrainable_weights",
+        "ZeRO++ quantized frozen weights",
+        "set it to false",
+        _is(False),
+    ),
+    Unsupported(
+        "zero_optimization.zero_quantized_gradients",
+        "ZeRO++ quantized gradients",
+        "set it to false (zerodp reduces in the gradients' dtype or communication_data_type)",
+        _is(False),
+    ),
+    Unsupported(
+        "zero_optimization.zeropp_loco_param",
+        "LoCo-ZeRO++ error feedback",
+        "remove it",
+        _is(None),
+    ),
+    Unsupported(
+        "zero_optimization.mics_shard_size",
+        "MiCS sub-group sharding",
+        "set it to -1 (zerodp shards over all ranks)",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v <= 0,
+    ),
+    Unsupported(
+        "zero_optimization.mics_hierarchical_params_gather",
+        "MiCS hierarchical gathers",
+        "set it to false",
+        _is(False),
+    ),
+    Unsupported(
+        "zero_optimization.zenflow",
+        "ZenFlow",
+        "remove it",
+        _is(None),
+    ),
+    Unsupported(
+        "optimizer.params.bias_correction",
+        "Adam without bias correction",
+        "remove the key or set it to true: torch's Adam and AdamW always bias-correct",
+        _is(True),
+        off_why="torch's Adam and AdamW always bias-correct",
+    ),
+)
+
+# Optimizer types, by lower-cased name: (what zerodp does not implement, what to do).
+_ADAMW = 'use "AdamW" (or "Adam")'
+UNSUPPORTED_OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "lamb": (
+        "the LAMB optimizer",
+        "its per-parameter trust ratio needs whole-tensor norms, which ZeRO's flat shards "
+        f"do not hold; {_ADAMW}",
+    ),
+    "fusedlamb": ("the LAMB optimizer", f"ZeRO's flat shards cannot hold its norms; {_ADAMW}"),
+    "onebitadam": ("1-bit Adam (compressed communication)", _ADAMW),
+    "zerooneadam": ("0/1 Adam (compressed communication)", _ADAMW),
+    "onebitlamb": ("1-bit LAMB (compressed communication)", _ADAMW),
+    "lion": (
+        "the Lion optimizer (it is not in torch.optim)",
+        "pass optimizer= an instance from a Lion package (its update is elementwise, so "
+        f"zerodp can shard it), or {_ADAMW}",
+    ),
+    "muon": ("the Muon optimizer", f"its orthogonalization needs whole matrices; {_ADAMW}"),
+    "muadam": ("muP optimizers", "build it with the mup package and pass optimizer="),
+    "muadamw": ("muP optimizers", "build it with the mup package and pass optimizer="),
+    "musgd": ("muP optimizers", "build it with the mup package and pass optimizer="),
+    "lbfgs": ("L-BFGS", "its update is not elementwise, so it cannot step flat shards"),
+    "sparseadam": ("SparseAdam", "zerodp reduces gradients dense; use AdamW"),
+}
+for _name in ("NAdam", "RAdam", "Adadelta", "ASGD", "Rprop"):
+    UNSUPPORTED_OPTIMIZERS[_name.lower()] = (
+        f"torch.optim.{_name} from the config",
+        "the config builds Adam, AdamW, SGD, Adagrad, Adamax and RMSprop; pass "
+        f"optimizer=lambda groups: torch.optim.{_name}(groups, ...) instead",
+    )
+
+UNSUPPORTED_SCHEDULERS: dict[str, tuple[str, str]] = {
+    "onecycle": (
+        "DeepSpeed's OneCycle scheduler",
+        "pass lr_scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, ...)",
+    ),
+    "lrrangetest": (
+        "DeepSpeed's LRRangeTest scheduler",
+        "pass lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, ...)",
+    ),
+}

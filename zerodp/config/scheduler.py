@@ -1,0 +1,84 @@
+"""The `scheduler` section: DeepSpeed's warmup schedulers, with DeepSpeed's parameter names.
+
+The engine builds them itself (zerodp.optim.schedulers); DeepSpeed's other
+schedulers (OneCycle, LRRangeTest) are reported as not implemented before
+these models see the config, with the torch scheduler to pass instead.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from zerodp.config.fields import (
+    LastIteration,
+    NonNegFloat,
+    PosInt,
+    Section,
+    UnitFloat,
+    WarmupType,
+    choice,
+    must_exceed,
+)
+from zerodp.config.optimizer import validated_params
+
+
+class WarmupLRParams(Section):
+    warmup_min_lr: NonNegFloat = 0.0
+    warmup_max_lr: NonNegFloat = 0.001
+    warmup_num_steps: PosInt = 1000
+    warmup_type: WarmupType = "log"
+    last_batch_iteration: LastIteration = -1
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    total_num_steps: PosInt = Field(description="the step where lr reaches 0")
+
+    @model_validator(mode="after")
+    def _ends_after_warmup(self) -> WarmupDecayLRParams:
+        if self.total_num_steps <= self.warmup_num_steps:
+            raise must_exceed(
+                "total_num_steps", "warmup_num_steps", self.total_num_steps, self.warmup_num_steps
+            )
+        return self
+
+
+class WarmupCosineLRParams(Section):
+    total_num_steps: PosInt = Field(description="the step where the cosine reaches its minimum")
+    warmup_min_ratio: UnitFloat = 0.0
+    warmup_num_steps: PosInt = 1000
+    cos_min_ratio: UnitFloat = 0.0001
+    warmup_type: WarmupType = "log"
+    last_batch_iteration: LastIteration = -1
+
+    @model_validator(mode="after")
+    def _ends_after_warmup(self) -> WarmupCosineLRParams:
+        if self.total_num_steps <= self.warmup_num_steps:
+            raise must_exceed(
+                "total_num_steps", "warmup_num_steps", self.total_num_steps, self.warmup_num_steps
+            )
+        return self
+
+
+SCHEDULER_PARAMS: dict[str, type[Section]] = {
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
+}
+
+
+class SchedulerConfig(Section):
+    """`params` is stored validated, with every default filled in."""
+
+    type: Annotated[
+        Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"], choice(tuple(SCHEDULER_PARAMS))
+    ] = Field(description="one of 'WarmupLR', 'WarmupDecayLR' or 'WarmupCosineLR'")
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_params(self) -> SchedulerConfig:
+        object.__setattr__(
+            self, "params", validated_params(SCHEDULER_PARAMS[self.type], self.params)
+        )
+        return self
