@@ -112,11 +112,10 @@ class Lockstep:
 
     @property
     def scale(self) -> float:
-        """What the reference's loss is multiplied by: 1/GAS as engine.scale does (a plain
-        loss.backward() does not divide), and the fp16 loss scale, which zerodp applies to
-        every backward (to the loss, or to a plain backward's gradients)."""
-        gas_factor = 1.0 if self.style == "loss_backward" else 1.0 / self.gas
-        return gas_factor * self.engine.loss_scale
+        """What the reference's loss is multiplied by: 1/GAS and the fp16 loss scale, which
+        zerodp applies to every backward, whatever its call style (to the loss, or to a plain
+        loss.backward()'s gradients), as DeepSpeed does."""
+        return self.engine.loss_scale / self.gas
 
     def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Both models' outputs, in fp32; the reference's floating inputs are cast to its dtype."""

@@ -22,6 +22,7 @@ from zerodp.errors import (
     LifecycleError,
     LossScaleError,
     ParamStateError,
+    UsageError,
     ZeroDPError,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "LifecycleError",
     "LossScaleError",
     "ParamStateError",
+    "UsageError",
     "ZeroDPConfig",
     "ZeroDPError",
     "ZeroEngine",

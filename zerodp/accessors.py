@@ -59,21 +59,11 @@ class FullStateAccessor:
                 f"parameter has {tuple(param.shape)}"
             )
         found = self.groups.lookup(param)
-        with torch.no_grad():
-            if found is None:
+        if found is None:
+            with torch.no_grad():
                 param.copy_(value)
-                return
-            state, position = found
-            flat = state.flat
-            start, end = flat.slot_of(position)
-            flat_value = value.detach().reshape(-1)
-            if flat.full_is_allocated:
-                flat.full[start:end].copy_(flat_value.to(flat.full))
-            if not flat.persistent:
-                self._write_owned_part(flat.shard, flat.shard_range, start, end, flat_value)
-            copy = state.optim.copy if state.optim is not None else None
-            if copy is not None:
-                self._write_owned_part(copy, flat.owned_range, start, end, flat_value)
+            return
+        found[0].write_param(found[1], value)
 
     def full_optimizer_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
         found = self.groups.lookup(param)
@@ -86,22 +76,50 @@ class FullStateAccessor:
             return value
         return self._assemble(state, position, value)
 
-    # -- helpers -------------------------------------------------------------------
+    # -- this rank's part (no communication) --------------------------------------------
+
+    def local_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """This rank's part of the kept gradient of `param`, flattened (unscaled, like full_grad).
+
+        Between accumulation boundaries at stages 0 and 1 (before the boundary's
+        reduction) it is this rank's own sum, not yet averaged.
+        """
+        found = self.groups.lookup(param)
+        if found is None or found[0].grads is None:
+            return None if param.grad is None else param.grad.detach().reshape(-1).clone()
+        state, position = found
+        grad = self._owned_part(state, position, state.grads.owned()).clone()  # type: ignore[union-attr]
+        scale = self.loss_scale()
+        return grad if scale == 1.0 else grad.float() / scale
+
+    def local_fp32_param(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's part of `param`'s fp32 value (the master copy), flattened."""
+        found = self.groups.lookup(param)
+        if found is None:
+            return param.detach().float().reshape(-1).clone()
+        state, position = found
+        return self._owned_part(state, position, state.value_of_owned()).float().clone()
+
+    def local_optimizer_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        """This rank's part of the optimizer state `key` of `param` (scalar state as it is)."""
+        found = self.groups.lookup(param)
+        if found is None or found[0].optim is None:
+            return None
+        state, position = found
+        owned = state.optim.param  # type: ignore[union-attr]
+        value = self.optimizer.state.get(owned, {}).get(key)
+        if not isinstance(value, torch.Tensor) or value.numel() != owned.numel():
+            return value
+        return self._owned_part(state, position, value).clone()
 
     @staticmethod
-    def _write_owned_part(
-        target: torch.Tensor,
-        target_range: tuple[int, int],
-        start: int,
-        end: int,
-        flat_value: torch.Tensor,
-    ) -> None:
-        """Write the part of [start, end) that `target` (covering `target_range`) holds."""
-        lo, hi = max(start, target_range[0]), min(end, target_range[1])
-        if lo < hi:
-            target[lo - target_range[0] : hi - target_range[0]].copy_(
-                flat_value[lo - start : hi - start].to(target)
-            )
+    def _owned_part(state: GroupState, position: int, owned: torch.Tensor) -> torch.Tensor:
+        """The part of parameter `position` inside a tensor covering this rank's owned range."""
+        flat = state.flat
+        start, end = flat.slot_of(position)
+        lo, hi = flat.owned_range
+        first = max(start, lo)
+        return owned[first - lo : max(min(end, hi), first) - lo]
 
     def _assemble(self, state: GroupState, position: int, owned: torch.Tensor) -> torch.Tensor:
         """One parameter's full value from a tensor covering this rank's owned range."""

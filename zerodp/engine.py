@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
+from zerodp import managed
 from zerodp.assembly import EngineCallbacks, assemble
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
@@ -27,7 +27,8 @@ from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
-from zerodp.errors import LifecycleError
+from zerodp.engine_compat import DeepSpeedEngineMethods, ZeroGradRoute, check_loss
+from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
 from zerodp.monitor.memory import (
     ModelStateBytes,
@@ -39,17 +40,18 @@ from zerodp.monitor.training import BoundaryRecord
 
 logger = logging.getLogger("zerodp")
 
-# Every managed parameter -> the live engine managing it (for `zerodp.utils`, `zerodp.zero`).
-_ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+class Removable(Protocol):
+    """What the engine undoes at `destroy()`: hooks, and the `model.zero_grad` route."""
+
+    def remove(self) -> None: ...
 
 
-def engine_of(param: torch.Tensor) -> ZeroEngine | None:
-    """The live engine that manages `param`, or None."""
-    engine = _ENGINES.get(param)
-    return engine if isinstance(engine, ZeroEngine) else None
+# Keyword arguments of DeepSpeed's `engine.backward` that zerodp accepts beyond torch's own.
+_TORCH_BACKWARD_KWARGS = frozenset({"gradient", "create_graph", "inputs"})
 
 
-class ZeroEngine:
+class ZeroEngine(DeepSpeedEngineMethods):
     """What `zerodp.initialize` returns: the model wrapped for ZeRO training.
 
     Call it like the model (`engine(batch)`), then `engine.backward(loss)` (or
@@ -68,10 +70,12 @@ class ZeroEngine:
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         ensure_process_group()
-        _refuse_managed(module)
+        managed.refuse_managed(module)
         self.config = config
         self.module = module
         self._destroyed = False
+        self._boundary_override: bool | None = None
+        self._no_sync_depth = 0
         parts = assemble(
             module,
             config,
@@ -79,7 +83,7 @@ class ZeroEngine:
             device=default_device(),
             callbacks=EngineCallbacks(
                 on_forward_start=self._on_forward_start,
-                is_boundary=self.is_gradient_accumulation_boundary,
+                is_boundary=self._task_reduces_at_boundary,
                 prologue_scale=self._unscaled_backward_factor,
             ),
             model_parameters=model_parameters,
@@ -104,9 +108,9 @@ class ZeroEngine:
         self.reporter = parts.reporter
         self.eigenvalue = parts.eigenvalue
         self.training_dataloader = parts.training_dataloader
-        self._handles: list[RemovableHandle] = parts.handles
-        for param in self.groups.params:
-            _ENGINES[param] = self
+        self._handles: list[Removable] = list(parts.handles)
+        self._handles.append(ZeroGradRoute(module, self.zero_grad))
+        managed.register(self, self.groups.params)
 
     # -- lifecycle callbacks -------------------------------------------------------------
 
@@ -117,11 +121,16 @@ class ZeroEngine:
     def _unscaled_backward_factor(self) -> float:
         """What a backward's gradients are multiplied by when its loss was not `scale()`d.
 
-        The fp16 loss scale, so that every kept gradient carries the same scale
-        (a task whose loss came from `scale()` is marked by a hook on that loss,
-        see `scale`, and gets 1).
+        What `scale()` would have multiplied the loss by (1 / accumulation steps,
+        times the fp16 loss scale), so that every call style gives the same
+        gradients, as in DeepSpeed. A task whose loss came from `scale()` is
+        marked by a hook on that loss (see `scale`) and gets 1.
         """
-        return self.optimizer.loss_scaler.scale
+        return self.optimizer.loss_scaler.scale / self.gradient_accumulation_steps()
+
+    def _task_reduces_at_boundary(self) -> bool:
+        """Whether a backward starting now is the window's last (its sums are reduced)."""
+        return self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
 
     def ensure_no_stale_backward(self) -> None:
         """Abort a backward that ended in an exception (its epilogue will never come)."""
@@ -135,16 +144,21 @@ class ZeroEngine:
 
     forward = __call__
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss as backward should see it: divided by the accumulation steps, and
-        multiplied by the fp16 loss scale (the optimizer step divides it out again).
+    def scale(
+        self, loss: torch.Tensor, retain_graph: bool | None = None, *, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """The loss as backward should see it: divided by the accumulation steps (unless
+        `scale_wrt_gas=False`), and multiplied by the fp16 loss scale (the optimizer step
+        divides it out again).
 
         The returned tensor carries a hook that tells the backward running through it
         that its loss is scaled already, however often (or never) it is run.
+        `retain_graph` is accepted for DeepSpeed's signature; zerodp needs no hint.
         """
-        gas = self.gradient_accumulation_steps()
+        check_loss(loss, "engine.scale()")
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         factor = self.optimizer.loss_scaler.scale / gas
-        if factor == 1.0:
+        if factor == 1.0 and scale_wrt_gas:
             return loss
         scaled = loss * factor
         if scaled.requires_grad:
@@ -155,27 +169,38 @@ class ZeroEngine:
         self.reducer.mark_task_scaled()
 
     def backward(
-        self, loss: torch.Tensor, retain_graph: bool = False, **kwargs: Any
+        self,
+        loss: torch.Tensor,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+        allreduce_gradients: bool = True,
+        release_loss: bool = False,
+        **kwargs: Any,
     ) -> torch.Tensor:
         """Run backward on `scale(loss)`; returns `loss`.
 
-        The same as `engine.scale(loss).backward(...)`; keyword arguments go to
-        `torch.Tensor.backward`. At an eigenvalue boundary the graph is kept for
-        the estimate `step()` makes.
+        The same as `engine.scale(loss).backward(...)`, or a plain
+        `loss.backward()`: every call style divides by the accumulation steps. With
+        `scale_wrt_gas=False` the gradients are not divided. `create_graph` and
+        `inputs` go to `torch.Tensor.backward`; `release_loss` is accepted for
+        DeepSpeed's signature. At an eigenvalue boundary the graph is kept for the
+        estimate `step()` makes.
         """
         self.ensure_no_stale_backward()
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"engine.backward expects a tensor loss, got {type(loss).__name__}")
-        if loss.numel() != 1:
-            raise ValueError(
-                f"engine.backward needs a scalar loss, got shape {tuple(loss.shape)}; reduce it "
-                "first (e.g. loss.mean()), or call loss.backward(gradient) yourself"
+        unknown = sorted(set(kwargs) - _TORCH_BACKWARD_KWARGS - {"gradient"})
+        if unknown or "gradient" in kwargs:
+            raise UsageError(
+                f"engine.backward() got unexpected keyword arguments {unknown or ['gradient']}; "
+                "it takes retain_graph, scale_wrt_gas, create_graph and inputs (for a "
+                "non-scalar tensor, call tensor.backward(gradient) yourself)"
             )
-        if not loss.requires_grad:
-            raise ValueError(
-                "the loss does not require grad: it was computed without autograd "
-                "(under torch.no_grad(), or from frozen parameters only)"
+        if not allreduce_gradients:
+            raise UsageError(
+                "engine.backward(allreduce_gradients=False): zerodp always reduces the "
+                "gradients it keeps; to accumulate locally use engine.no_sync() (stages 0-1) "
+                "or gradient_accumulation_steps"
             )
+        check_loss(loss, "engine.backward()")
         self.reporter.record_loss(loss)
         eigen = self.eigenvalue
         if eigen is not None and eigen.due(
@@ -184,7 +209,9 @@ class ZeroEngine:
             eigen.keep_loss(loss)
             retain_graph = True
         try:
-            self.scale(loss).backward(retain_graph=retain_graph, **kwargs)
+            self.scale(loss, scale_wrt_gas=scale_wrt_gas).backward(
+                retain_graph=retain_graph, **kwargs
+            )
         except BaseException:
             self.ensure_no_stale_backward()
             raise
@@ -206,6 +233,11 @@ class ZeroEngine:
         self.gate.check_can_step()
         state = self.train_state
         if self.is_gradient_accumulation_boundary():
+            if self._no_sync_depth > 0:
+                raise LifecycleError(
+                    "step() at an accumulation boundary inside engine.no_sync(): the "
+                    "gradients were kept local on purpose; leave the no_sync() block first"
+                )
             self.gate.warn_if_nothing_to_apply()
             extra = []
             if self.eigenvalue is not None:
@@ -292,7 +324,13 @@ class ZeroEngine:
         return self.config.batch_sizes.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the next `step()` call steps the optimizer."""
+        """Whether the next `step()` call steps the optimizer.
+
+        Counted from the micro-steps, unless `set_gradient_accumulation_boundary()`
+        decided it.
+        """
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     @property
@@ -426,17 +464,7 @@ class ZeroEngine:
         self.params.teardown()
         for param in self.groups.params:
             param.grad = None
-            _ENGINES.pop(param, None)
+        managed.unregister(self.groups.params)
         self.reporter.close()
         self.reducer.states = []
         self._destroyed = True
-
-
-def _refuse_managed(module: nn.Module) -> None:
-    """A model one live engine manages cannot be handed to a second one (checked first)."""
-    for name, param in module.named_parameters():
-        if engine_of(param) is not None:
-            raise LifecycleError(
-                f"parameter '{name}' is already managed by a zerodp engine; call "
-                "engine.destroy() on that engine first, or keep training with it"
-            )

@@ -25,6 +25,10 @@ class ConfigWarning(UserWarning):
     """A config was accepted, but some of its keys change nothing (each one says why)."""
 
 
+class UsageError(ZeroDPError, ValueError):
+    """An API was called with arguments, or in a mode, that zerodp cannot honour."""
+
+
 class LifecycleError(ZeroDPError):
     """A call came in an order the engine cannot honour (e.g. `step()` inside backward)."""
 
@@ -59,6 +63,7 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
     for cls in (
         ZeroDPError,
         ConfigError,
+        UsageError,
         LifecycleError,
         ParamStateError,
         CheckpointError,

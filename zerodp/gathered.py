@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from zerodp.comm import Comm, broadcast_tensors, ensure_process_group
-from zerodp.engine import engine_of
 from zerodp.group import GroupState
+from zerodp.managed import manager_of
 from zerodp.params import zero_parameter
 
 
@@ -99,14 +99,14 @@ def _state_of(param: nn.Parameter) -> GroupState | None:
     owner = zero_parameter.owner_of(param)
     if owner is not None:
         return owner.group_of(param)
-    engine = engine_of(param)
-    return None if engine is None else engine.groups.state_of(param)
+    manager = manager_of(param)
+    return None if manager is None else manager.groups.state_of(param)
 
 
 def _comm_for(params: list[nn.Parameter]) -> Comm:
     for param in params:
-        engine = engine_of(param)
-        if engine is not None:
-            return engine.comm
+        manager = manager_of(param)
+        if manager is not None:
+            return manager.comm
     ensure_process_group()
     return Comm()

@@ -87,8 +87,8 @@ def fp16_scale_without_backward(stage: int) -> None:
     x = tiny_inputs(dist.get_rank(), 1)
     loss = engine(x.half()).float().square().mean()
     ref_loss = reference.model(x.half()).float().square().mean()
-    logged = engine.scale(loss.detach().requires_grad_())  # never run backward through
-    assert logged.requires_grad
+    logged = engine.scale(loss)  # e.g. for logging: never run backward through
+    assert logged.requires_grad and logged is not loss
     loss.backward()
     reference.run_backward((ref_loss * scale).backward)
     _assert_grads_equal_reference(model, reference, scale, "plain backward after scale()")

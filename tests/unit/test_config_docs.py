@@ -23,11 +23,10 @@ from zerodp.config.scheduler import SCHEDULER_PARAMS
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 _ROW = re.compile(r"^\| `([^`]+)`[^|]*\| (honoured|no effect|not implemented|alias) \|")
 
-# Typed sections that validate their keys but that nothing reads yet (offload, 16-bit save).
+# Typed sections that validate their keys but that nothing reads yet (offload).
 SCHEMA_WITHOUT_EFFECT = {
     "zero_optimization.offload_optimizer",
     "zero_optimization.offload_param",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
 
 

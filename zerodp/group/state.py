@@ -54,6 +54,24 @@ class GroupState:
         """Whether the full buffer is present now (a persistent group's always is)."""
         return ParamStatus.AVAILABLE if self.gather is None else self.gather.status
 
+    @torch.no_grad()
+    def write_param(self, position: int, value: torch.Tensor) -> None:
+        """Give parameter `position` the full `value` everywhere this rank holds it.
+
+        The full buffer (when allocated), a sharded group's shard and the
+        optimizer copy each take their part; every rank passes the same value,
+        so no communication is needed.
+        """
+        flat = self.flat
+        start, end = flat.slot_of(position)
+        flat_value = value.detach().reshape(-1)
+        if flat.full_is_allocated:
+            flat.full[start:end].copy_(flat_value.to(flat.full))
+        if not flat.persistent:
+            _write_part(flat.shard, flat.shard_range, start, end, flat_value)
+        if self.optim is not None and self.optim.copy is not None:
+            _write_part(self.optim.copy, flat.owned_range, start, end, flat_value)
+
     def value_of_owned(self) -> torch.Tensor:
         """The freshest values of what this rank owns: the optimizer's tensor, else the model's.
 
@@ -66,6 +84,15 @@ class GroupState:
 
     def __repr__(self) -> str:
         return f"GroupState({self.order}: {self.flat!r}, {self.status.name})"
+
+
+def _write_part(
+    target: torch.Tensor, covers: tuple[int, int], start: int, end: int, value: torch.Tensor
+) -> None:
+    """Write the part of [start, end) that `target` (covering `covers` of the group) holds."""
+    lo, hi = max(start, covers[0]), min(end, covers[1])
+    if lo < hi:
+        target[lo - covers[0] : hi - covers[0]].copy_(value[lo - start : hi - start].to(target))
 
 
 class GroupIndex:

@@ -94,6 +94,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.state = value
 
     @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.loss_scaler.scale
+
+    @property
+    def cur_scale(self) -> float:
+        """DeepSpeed's name for `loss_scale`."""
+        return self.loss_scaler.scale
+
+    def needs_scaler(self) -> bool:
+        """Whether losses must go through `engine.scale()` / `engine.backward()` (fp16)."""
+        return self.loss_scaler.checks_overflow
+
+    @property
     def skipped_steps(self) -> int:
         """Steps skipped because fp16 gradients overflowed."""
         return self._train_state.skipped_steps

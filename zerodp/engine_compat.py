@@ -1,0 +1,204 @@
+"""DeepSpeed's engine methods that scripts and tools call, as views of zerodp's parts.
+
+`ZeroEngine` inherits these; each is a thin view (or a documented refusal),
+so the engine itself stays a facade of the training surface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerodp.comm import Comm
+from zerodp.config import ZeroDPConfig
+from zerodp.errors import UsageError
+from zerodp.optim.sharded_optimizer import ZeroOptimizer
+from zerodp.optim.strategy import StageStrategy
+from zerodp.precision import PrecisionPolicy
+from zerodp.state_dicts import full_state_dict, load_state_dict
+
+logger = logging.getLogger("zerodp")
+
+
+def check_loss(loss: Any, what: str) -> None:
+    """A loss `engine.backward`/`engine.scale` can take: a scalar tensor with a grad_fn."""
+    if not isinstance(loss, torch.Tensor):
+        raise UsageError(f"{what} expects a tensor loss, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise UsageError(
+            f"{what} needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first "
+            "(e.g. loss.mean()), or for a non-scalar tensor call tensor.backward(gradient) "
+            "yourself (zerodp reduces it just the same)"
+        )
+    if not loss.requires_grad or loss.grad_fn is None:
+        raise UsageError(
+            f"{what}: the loss does not require grad (it has no grad_fn): it was computed "
+            "without autograd (under torch.no_grad(), or from frozen parameters only)"
+        )
+
+
+class ZeroGradRoute:
+    """`model.zero_grad()` clears what the engine keeps, as `engine.zero_grad()` does.
+
+    zerodp keeps gradients in its own buffers, which `nn.Module.zero_grad` cannot
+    see; without this, `loss.backward(); optimizer.step(); model.zero_grad()`
+    would pile gradients up across steps without a word. `remove()` restores
+    the module's own method.
+    """
+
+    def __init__(self, module: nn.Module, zero_grad: Callable[[], None]) -> None:
+        self.module = module
+        original = type(module).zero_grad
+
+        def routed(set_to_none: bool = True) -> None:
+            zero_grad()
+            original(module, set_to_none)
+
+        module.zero_grad = routed  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("zero_grad", None)
+
+
+class DeepSpeedEngineMethods:
+    """Methods of DeepSpeed's engine beyond the training loop (see each for its semantics)."""
+
+    # Provided by ZeroEngine.
+    module: nn.Module
+    config: ZeroDPConfig
+    comm: Comm
+    strategy: StageStrategy
+    precision: PrecisionPolicy
+    optimizer: ZeroOptimizer
+    _boundary_override: bool | None
+    _no_sync_depth: int
+
+    # -- the model ---------------------------------------------------------------------
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's named parameters (at stage 3 read them inside GatheredParameters)."""
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def state_dict(
+        self, rank0_only: bool = False, device: str | torch.device = "cpu"
+    ) -> dict[str, Any]:
+        """The model's full state dict (its keys, unprefixed); a collective at stage 3.
+
+        Gathered group by group; with `rank0_only` only rank 0 keeps (and
+        returns) the copy. The same as `zerodp.zero.full_state_dict(engine.module)`.
+        """
+        return full_state_dict(self.module, rank0_only=rank0_only, device=device)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True) -> None:
+        """Load full tensors into the (possibly sharded) model; every rank passes the same.
+
+        `state_dict` may also be a weights file or a Hugging Face model directory
+        (see `zerodp.zero.load_state_dict`); fp32 master weights follow.
+        """
+        load_state_dict(self.module, state_dict, strict=strict)
+
+    def save_16bit_model(
+        self,
+        save_dir: str | Path,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write the model's weights in its training dtype to `save_dir/save_filename` (rank 0).
+
+        A collective. At stage 3 the weights are gathered group by group, which
+        DeepSpeed (and zerodp) does only with
+        `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`;
+        without it nothing is saved and False is returned. A name ending in
+        `.safetensors` writes safetensors, anything else `torch.save`.
+        """
+        zero = self.config.zero_optimization
+        if self.strategy.shards_params and not zero.stage3_gather_16bit_weights_on_model_save:
+            if self.comm.rank == 0:
+                logger.warning(
+                    "did not save %s: at ZeRO stage 3 the weights are sharded; set "
+                    "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to "
+                    "gather them for saving, or use save_checkpoint()",
+                    Path(save_dir) / save_filename,
+                )
+            return False
+        state = full_state_dict(self.module, rank0_only=True)
+        if self.comm.rank == 0:
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+                state = {k: v for k, v in state.items() if k not in frozen}
+            dtype = self.precision.param_dtype
+            state = {
+                k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in state.items()
+            }
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.suffix == ".safetensors":
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous().clone() for k, v in state.items()}, str(path))
+            else:
+                torch.save(state, path)
+        self.comm.barrier()
+        return True
+
+    # -- accumulation ------------------------------------------------------------------
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Decide whether the next step is a boundary yourself (None: count micro-steps again).
+
+        The reduction of the backward that follows and the next `step()` honour it,
+        as in DeepSpeed (used by pipeline and custom accumulation loops).
+        """
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep their gradients local (stages 0 and 1), as DDP's no_sync.
+
+        The reduction happens at the first boundary backward or step after the
+        block. `step()` inside the block is an error. Stages 2 and 3 shard
+        gradients during every backward, so they have no local gradient to keep:
+        there `no_sync()` raises, as in DeepSpeed; use gradient_accumulation_steps.
+        """
+        if self.strategy.reduction.defer_to_boundary is False:
+            raise UsageError(
+                f"no_sync() cannot apply at ZeRO stage {self.strategy.stage}: each backward "
+                "reduce-scatters its gradients into shards, so there is no local gradient to "
+                "keep; accumulate with gradient_accumulation_steps instead (or use stage 0 or 1)"
+            )
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    # -- queries -----------------------------------------------------------------------
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step changed the weights (False after an fp16 overflow)."""
+        return not self.optimizer.last_step_skipped
+
+    def zero_optimization_stage(self) -> int:
+        return self.strategy.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the model's training dtype, the dtype gradients are kept in)."""
+        return self.precision.param_dtype, self.precision.grad_storage_dtype

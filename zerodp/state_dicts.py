@@ -1,0 +1,220 @@
+"""Full state dicts in and out of a model whose parameters zerodp may shard.
+
+- `full_state_dict` gathers group by group (a collective at stage 3), so at
+  most one group is gathered beyond what is gathered anyway;
+- `load_state_dict` writes a full state dict into the model one tensor at a
+  time: every rank reads the tensor (from a dict, a safetensors or torch file,
+  or a Hugging Face model directory with its index) and keeps only its part of
+  it, so no rank ever holds more than the model's shards and one tensor. It
+  needs no communication, and works on a model managed by an engine (the
+  fp32 optimizer copies follow) and on one built under `zero.Init`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from zerodp.errors import CheckpointError
+from zerodp.gathered import GatheredParameters
+from zerodp.group import GroupState
+from zerodp.managed import manager_of, manager_of_module
+from zerodp.params import zero_parameter
+
+
+def full_state_dict(
+    module: nn.Module, rank0_only: bool = False, device: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """The module's full state dict, gathered group by group (a collective at stage 3).
+
+    With `rank0_only`, ranks other than 0 gather (they must take part) but
+    return an empty dict, so only rank 0 holds the full copy in memory.
+    """
+    manager = manager_of_module(module)
+    keep = not rank0_only or manager is None or manager.global_rank == 0
+    values: dict[int, torch.Tensor] = {}
+    if manager is not None:
+        for state in manager.params.sharded_states:
+            with GatheredParameters(state.params):
+                if keep:
+                    for param in state.params:
+                        values[id(param)] = param.detach().to(device).clone()
+    if not keep:
+        return {}
+    result: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            gathered = values.get(id(value))
+            result[key] = gathered if gathered is not None else value.detach().to(device).clone()
+        else:
+            result[key] = value
+    return result
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+class TensorSource(Protocol):
+    """Named tensors, read one at a time."""
+
+    def keys(self) -> list[str]: ...
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+
+class _DictSource:
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self._tensors = tensors
+
+    def keys(self) -> list[str]:
+        return [k for k, v in self._tensors.items() if isinstance(v, torch.Tensor)]
+
+    def get(self, key: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._tensors[key]
+        return tensor
+
+
+class _FileSource:
+    """safetensors files read lazily; torch files memory-mapped (never unpickling code)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, Path] = {}
+        self._torch_files: dict[Path, dict[str, torch.Tensor]] = {}
+        for file in files:
+            for key in self._keys_of(file):
+                self._where[key] = file
+
+    def _keys_of(self, file: Path) -> list[str]:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as handle:
+                return list(handle.keys())
+        loaded = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"'{file}' does not hold a state dict")
+        self._torch_files[file] = loaded
+        return [k for k, v in loaded.items() if isinstance(v, torch.Tensor)]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self._where[key]
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as handle:
+                tensor: torch.Tensor = handle.get_tensor(key)
+                return tensor
+        return self._torch_files[file][key]
+
+
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _files_of(path: Path) -> list[Path]:
+    """The weight files of a file path, or of a Hugging Face model directory."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"'{path}' is neither a weights file nor a model directory")
+    for name in _WEIGHT_FILES:
+        index = path / f"{name}.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                raise CheckpointError(f"'{index}' is not a weights index: {error}") from None
+            return [path / f for f in dict.fromkeys(weight_map.values())]
+        if (path / name).is_file():
+            return [path / name]
+    raise CheckpointError(
+        f"'{path}' holds no weights: expected one of {', '.join(_WEIGHT_FILES)} (or its "
+        ".index.json for sharded weights)"
+    )
+
+
+def tensor_source(source: Any) -> TensorSource:
+    if isinstance(source, dict):
+        return _DictSource(source)
+    if isinstance(source, str | Path):
+        return _FileSource(_files_of(Path(source)))
+    raise TypeError(
+        f"load_state_dict takes a state dict, a weights file or a model directory, got "
+        f"{type(source).__name__}"
+    )
+
+
+def _group_of(param: nn.Parameter) -> tuple[GroupState, int] | None:
+    manager = manager_of(param)
+    if manager is not None:
+        return manager.groups.lookup(param)
+    owner = zero_parameter.owner_of(param)  # built under zero.Init, no engine yet
+    state = owner.group_of(param) if owner is not None else None
+    return None if state is None else (state, state.flat.position_of(param))
+
+
+def _targets(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.state_dict(keep_vars=True).items()
+
+
+@torch.no_grad()
+def load_state_dict(module: nn.Module, source: Any, strict: bool = True) -> None:
+    """Load full tensors (a dict, a file, or a model directory) into a possibly sharded model.
+
+    Every rank calls it with the same source. Tied parameters are loaded from
+    whichever of their names the source has. With `strict`, names the model
+    has and the source lacks (or the reverse) are an error, raised before
+    anything is written.
+    """
+    tensors = tensor_source(source)
+    available = set(tensors.keys())
+    targets = list(_targets(module))
+    first_name: dict[int, str] = {}
+    names_of: dict[int, list[str]] = {}
+    for key, target in targets:
+        first_name.setdefault(id(target), key)
+        names_of.setdefault(id(target), []).append(key)
+    wanted = {key for key, _ in targets}
+    missing = sorted(
+        first_name[id(t)]
+        for key, t in targets
+        if first_name[id(t)] == key and not any(n in available for n in names_of[id(t)])
+    )
+    unexpected = sorted(available - wanted)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            "the weights do not match the model: "
+            + " | ".join(
+                part
+                for part in (
+                    f"missing: {', '.join(missing[:10])}" if missing else "",
+                    f"unexpected: {', '.join(unexpected[:10])}" if unexpected else "",
+                )
+                if part
+            )
+            + "; load with strict=False to skip them"
+        )
+    for key, target in targets:
+        if first_name[id(target)] != key:
+            continue  # a tied name: loaded once, under its first name
+        name = next((n for n in names_of[id(target)] if n in available), None)
+        if name is None:
+            continue
+        value = tensors.get(name)
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"'{name}' has shape {tuple(value.shape)} in the weights, "
+                f"{tuple(target.shape)} in the model"
+            )
+        found = _group_of(target) if isinstance(target, nn.Parameter) else None
+        if found is not None:
+            found[0].write_param(found[1], value)
+        else:
+            target.data.copy_(value.to(target.device))
