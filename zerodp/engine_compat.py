@@ -21,7 +21,7 @@ from zerodp.errors import UsageError
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
-from zerodp.state_dicts import full_state_dict, load_state_dict
+from zerodp.state_dicts import full_state_dict, load_state_dict, save_state_dict
 
 logger = logging.getLogger("zerodp")
 
@@ -120,7 +120,9 @@ class DeepSpeedEngineMethods:
         DeepSpeed (and zerodp) does only with
         `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`;
         without it nothing is saved and False is returned. A name ending in
-        `.safetensors` writes safetensors, anything else `torch.save`.
+        `.safetensors` writes safetensors, streamed group by group (rank 0 never
+        holds the whole model); anything else is gathered whole on rank 0 and
+        written with `torch.save`.
         """
         zero = self.config.zero_optimization
         if self.strategy.shards_params and not zero.stage3_gather_16bit_weights_on_model_save:
@@ -132,6 +134,16 @@ class DeepSpeedEngineMethods:
                     Path(save_dir) / save_filename,
                 )
             return False
+        path = Path(save_dir) / save_filename
+        if path.suffix == ".safetensors":  # streamed group by group: never the whole model
+            save_state_dict(
+                self.module,
+                path,
+                dtype=self.precision.param_dtype,
+                exclude_frozen=exclude_frozen_parameters,
+            )
+            self.comm.barrier()
+            return True
         state = full_state_dict(self.module, rank0_only=True)
         if self.comm.rank == 0:
             if exclude_frozen_parameters:
@@ -142,14 +154,8 @@ class DeepSpeedEngineMethods:
                 k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v
                 for k, v in state.items()
             }
-            path = Path(save_dir) / save_filename
             path.parent.mkdir(parents=True, exist_ok=True)
-            if path.suffix == ".safetensors":
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous().clone() for k, v in state.items()}, str(path))
-            else:
-                torch.save(state, path)
+            torch.save(state, path)
         self.comm.barrier()
         return True
 

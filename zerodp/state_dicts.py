@@ -2,6 +2,10 @@
 
 - `full_state_dict` gathers group by group (a collective at stage 3), so at
   most one group is gathered beyond what is gathered anyway;
+- `save_state_dict` writes the model's weights as safetensors (Hugging Face's
+  file names and index), streamed: groups are gathered one at a time and each
+  tensor is appended to its file as it arrives, so no rank ever holds the
+  whole model;
 - `load_state_dict` writes a full state dict into the model one tensor at a
   time: every rank reads the tensor (from a dict, a safetensors or torch file,
   or a Hugging Face model directory with its index) and keeps only its part of
@@ -12,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +25,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from zerodp.comm import current_rank, is_initialized
 from zerodp.errors import CheckpointError
 from zerodp.gathered import GatheredParameters
 from zerodp.group import GroupState
 from zerodp.managed import manager_of, manager_of_module
 from zerodp.params import zero_parameter
+from zerodp.safetensors_stream import SafetensorsStreamWriter, TensorEntry
 
 
 def full_state_dict(
@@ -54,6 +61,107 @@ def full_state_dict(
         else:
             result[key] = value
     return result
+
+
+# -- saving, streamed ----------------------------------------------------------------------
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def save_state_dict(
+    module: nn.Module,
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+    exclude_frozen: bool = False,
+) -> list[Path]:
+    """Write `module`'s weights as safetensors, streamed group by group (a collective).
+
+    `path` ending in `.safetensors` is one file; any other path is a directory
+    that gets Hugging Face's layout (`model.safetensors`, or
+    `model-0000k-of-0000n.safetensors` files of at most `max_shard_bytes` and
+    `model.safetensors.index.json`). Tied parameters are written once, under
+    their first name, as `save_pretrained` does. Floating tensors are cast to
+    `dtype` when given. Rank 0 writes; returns the files it wrote (every rank).
+    """
+    writes = _rank() == 0
+    frozen = (
+        {id(p) for p in module.parameters() if not p.requires_grad} if exclude_frozen else set()
+    )
+    seen: set[int] = set()
+    targets: list[tuple[str, torch.Tensor]] = []
+    for key, tensor in module.state_dict(keep_vars=True).items():
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen and id(tensor) not in frozen:
+            seen.add(id(tensor))
+            targets.append((key, tensor))
+
+    def out_dtype(tensor: torch.Tensor) -> torch.dtype:
+        return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+    entries = [TensorEntry(k, out_dtype(t), tuple(t.shape)) for k, t in targets]
+    files = _plan_files(Path(path), entries, max_shard_bytes)
+    position = 0
+    held: GatheredParameters | None = None
+    held_state: GroupState | None = None
+    try:
+        for file, file_entries in files:
+            writer = SafetensorsStreamWriter(file, file_entries) if writes else None
+            with writer if writer is not None else contextlib.nullcontext():
+                for entry in file_entries:
+                    key, tensor = targets[position]
+                    position += 1
+                    found = _group_of(tensor) if isinstance(tensor, nn.Parameter) else None
+                    state = found[0] if found is not None and found[0].gather is not None else None
+                    if state is not held_state:
+                        if held is not None:
+                            done, held = held, None
+                            done.__exit__(None, None, None)
+                        held_state = state
+                        if state is not None:
+                            held = GatheredParameters(state.params)
+                            held.__enter__()
+                    if writer is not None:
+                        writer.write(key, tensor.detach().to(entry.dtype))
+    finally:
+        if held is not None:
+            done, held = held, None
+            done.__exit__(None, None, None)
+    if writes and len(files) > 1:
+        weight_map = {e.name: f.name for f, file_entries in files for e in file_entries}
+        total = sum(e.nbytes for e in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return [f for f, _ in files]
+
+
+def _rank() -> int:
+    return current_rank() if is_initialized() else 0
+
+
+def _plan_files(
+    path: Path, entries: list[TensorEntry], max_shard_bytes: int | None
+) -> list[tuple[Path, list[TensorEntry]]]:
+    if path.suffix == ".safetensors":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return [(path, entries)]
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if max_shard_bytes is not None and shards[-1] and size + entry.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    if len(shards) == 1:
+        return [(path / SINGLE_FILE, shards[0])]
+    count = len(shards)
+    return [
+        (path / f"model-{i + 1:05d}-of-{count:05d}.safetensors", shard)
+        for i, shard in enumerate(shards)
+    ]
 
 
 # -- loading -------------------------------------------------------------------------------

@@ -76,3 +76,22 @@ def init_optimizer_hook_dicts(optimizer: torch.optim.Optimizer) -> None:
     optimizer._optimizer_state_dict_post_hooks = OrderedDict()
     optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
     optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+
+def is_noop_to(tensor: torch.Tensor, args: tuple[object, ...], kwargs: dict[str, object]) -> bool:
+    """Whether `tensor.to(*args, **kwargs)` returns `tensor` itself (same device and dtype).
+
+    Parsed with torch's own argument parser for `Tensor.to` (every spelling:
+    a device, a dtype, another tensor, keywords), which is not public.
+    """
+    if kwargs.get("copy"):
+        return False
+    try:
+        parsed = torch._C._nn._parse_to(*args, **kwargs)  # type: ignore[call-overload]
+        device, dtype, _non_blocking, memory_format = parsed
+    except (TypeError, RuntimeError):
+        return False
+    same_device = device is None or torch.device(device) == tensor.device
+    same_dtype = dtype is None or dtype == tensor.dtype
+    keeps_format = memory_format is None or memory_format is torch.preserve_format
+    return same_device and same_dtype and keeps_format

@@ -9,7 +9,7 @@ from zerodp.group import ParamStatus
 from zerodp.managed import manager_of
 from zerodp.params import zero_parameter
 from zerodp.params.init import Init
-from zerodp.state_dicts import full_state_dict, load_state_dict
+from zerodp.state_dicts import full_state_dict, load_state_dict, save_state_dict
 
 __all__ = [
     "GatheredParameters",
@@ -19,6 +19,7 @@ __all__ = [
     "is_persistent",
     "load_state_dict",
     "param_status",
+    "save_state_dict",
 ]
 
 

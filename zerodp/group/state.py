@@ -109,6 +109,12 @@ class GroupIndex:
         for position, param in enumerate(state.params):
             self._where[id(param)] = (state, position)
 
+    def remove(self, state: GroupState) -> None:
+        """Forget a group (zero.Init made it whole again)."""
+        self.states = [s for s in self.states if s is not state]
+        for param in state.params:
+            self._where.pop(id(param), None)
+
     def lookup(self, param: torch.Tensor) -> tuple[GroupState, int] | None:
         """(group, position in it) of a managed parameter; None for any other tensor."""
         found = self._where.get(id(param))

@@ -33,7 +33,6 @@ from torch import nn
 from zerodp.backward import autograd_api
 from zerodp.errors import ParamStateError
 from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
-from zerodp.params import zero_parameter
 from zerodp.params.prefetch import ExecutionTrace
 from zerodp.torch_internals import storage_key
 
@@ -43,6 +42,18 @@ class _Scope:
     module: nn.Module
     in_backward: bool
     held: list[GroupState] = field(default_factory=list)
+
+
+def _same_tensor_view(param: torch.Tensor, value: Any) -> bool:
+    """Whether `value` is `param`'s own data (same storage, shape, strides and offset)."""
+    return value is param or (
+        isinstance(value, torch.Tensor)
+        and storage_key(value) == storage_key(param)
+        and value.shape == param.shape
+        and value.stride() == param.stride()
+        and value.storage_offset() == param.storage_offset()
+        and value.dtype == param.dtype
+    )
 
 
 def _gather_of(state: GroupState) -> GatherState:
@@ -194,12 +205,6 @@ class ParamCoordinator:
         state = self.index.state_of(param)
         if state is None or state.gather is None:
             return
-        if zero_parameter.is_data_property(func) and getattr(func, "__name__", "") == "__set__":
-            raise ParamStateError(
-                "assigning `.data` of a ZeRO stage 3 parameter would detach it from its "
-                "shard; write into it instead (`param.copy_(value)` inside "
-                "zerodp.zero.GatheredParameters([param], modifier_rank=0))"
-            )
         if state.gather.status is ParamStatus.AVAILABLE:
             return
         if self._scopes:
@@ -218,7 +223,20 @@ class ParamCoordinator:
             f"parameter '{name}' is sharded by ZeRO stage 3 and is not gathered outside the "
             "model's forward and backward; read or modify it inside "
             "`with zerodp.zero.GatheredParameters([param]):` (every rank must enter it), or "
-            "use zerodp.utils.safe_get_full_fp32_param"
+            "use zerodp.utils.safe_get_full_fp32_param; for the whole model use "
+            "zerodp.zero.full_state_dict(model) and zerodp.zero.load_state_dict(model, ...) "
+            "instead of model.state_dict() / load_state_dict()"
+        )
+
+    def assign_data(self, param: nn.Parameter, value: Any) -> None:
+        """`param.data = value` after initialize: only a no-op (`module.to()` on its device)."""
+        if _same_tensor_view(param, value):
+            return
+        raise ParamStateError(
+            "assigning `.data` of a ZeRO stage 3 parameter would detach it from its "
+            "shard; write into it instead (`param.copy_(value)` inside "
+            "zerodp.zero.GatheredParameters([param], modifier_rank=0)), or load weights with "
+            "zerodp.zero.load_state_dict(model, ...)"
         )
 
     def ensure_available_for_unpack(self, state: GroupState) -> None:

@@ -33,8 +33,9 @@ from zerodp.config import load_config
 from zerodp.errors import ParamStateError
 from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
+from zerodp.params.zero_parameter import AfterUse
 from zerodp.partition import FlatGroup
-from zerodp.torch_internals import direct_parameter_items
+from zerodp.torch_internals import PlainTensorOps, direct_parameter_items, storage_key
 
 
 class Init:
@@ -52,6 +53,7 @@ class Init:
         self._handles: list[RemovableHandle] = []
         self._owner: InitOwner | None = None
         self._registered: dict[nn.Module, None] = {}  # modules that registered a parameter
+        self._module_of: dict[GroupState, nn.Module] = {}  # the module each group came from
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -65,6 +67,7 @@ class Init:
                 zero = resolved.zero_optimization
                 self.persistence_threshold = zero.stage3_param_persistence_threshold
         self._owner = InitOwner(comm, default_device())
+        self._owner.on_unshard = self._reshard_later
         registration = torch.nn.modules.module
         self._handles = [
             registration.register_module_parameter_registration_hook(self._on_parameter),
@@ -86,8 +89,8 @@ class Init:
         if exc_type is None and self._owner is not None:
             for module in list(self._registered):
                 self._shard_module(module)
-            self._owner.flush_dirty()
         self._registered.clear()
+        self._module_of.clear()
 
     # -- registration hooks --------------------------------------------------------------
 
@@ -101,6 +104,12 @@ class Init:
                 if module in self._registered:
                     self._shard_module(module)
 
+    def _reshard_later(self, state: GroupState) -> None:
+        """A group was made whole again (`.data` of a new shape): shard its module at the end."""
+        module = self._module_of.pop(state, None)
+        if module is not None:
+            self._registered[module] = None
+
     def _shard_module(self, module: nn.Module) -> None:
         owner = self._owner
         if owner is None:
@@ -113,7 +122,8 @@ class Init:
                 continue
             large.setdefault((param.dtype, param.requires_grad), []).append((name, param))
         for members in large.values():
-            owner.shard([p for _, p in members], [n for n, _ in members])
+            state = owner.shard([p for _, p in members], [n for n, _ in members])
+            self._module_of[state] = module
         self._registered.pop(module, None)
 
 
@@ -124,7 +134,7 @@ class InitOwner:
         self.comm = comm
         self.device = device
         self.index = GroupIndex()
-        self._dirty: list[GroupState] = []
+        self.on_unshard: Callable[[GroupState], None] = lambda state: None
 
     def shard(self, params: list[nn.Parameter], names: list[str]) -> GroupState:
         flat = FlatGroup(
@@ -160,44 +170,86 @@ class InitOwner:
         gather.unhold()
         gather.release_if_unused()
 
-    def before_use(
-        self, param: nn.Parameter, func: Callable[..., Any]
-    ) -> Callable[[], None] | None:
+    def before_use(self, param: nn.Parameter, func: Callable[..., Any]) -> AfterUse | None:
         state = self.index.state_of(param)
         if state is None:
             return None
         gather = _gather_of(state)
-        if zero_parameter.is_data_property(func):
-            if getattr(func, "__name__", "") == "__set__":
-                raise ParamStateError(
-                    "assigning `.data` of a parameter sharded by zerodp.zero.Init is not "
-                    "supported; write into it instead (e.g. `param.copy_(value)`)"
-                )
-            self.hold(state)  # the alias escapes: keep it gathered until Init ends
-            self._dirty.append(state)
-            return None
-        if gather.holds > 0 or gather.status is ParamStatus.AVAILABLE:
-            return None
+
+        def track(result: Any) -> Any:
+            return _track_aliases(result, param, storage_key(state.flat.full))
+
+        if zero_parameter.is_data_property(func) or gather.holds > 0:
+            return track  # `.data` reads nothing; a held group is published by its holder
+        if gather.status is ParamStatus.AVAILABLE:
+            return track
         self.hold(state)
         writes = zero_parameter.is_in_place(func)
 
-        def after() -> None:
+        def after(result: Any) -> Any:
             if writes:
                 self._publish(state)
             self.unhold(state)
+            return track(result)
 
         return after
 
-    def flush_dirty(self) -> None:
-        for state in self._dirty:
+    def assign_data(self, param: nn.Parameter, value: Any) -> None:
+        """`param.data = value` while building: the value is written into the group.
+
+        A value of the parameter's shape is copied in (rank 0's wins, as for any
+        write); one of another shape (Hugging Face pads biases that way) makes the
+        group whole again, and it is sharded afresh when the block ends.
+        """
+        state = self.index.state_of(param)
+        if state is None or not isinstance(value, torch.Tensor):
+            raise ParamStateError(f"cannot assign {type(value).__name__} to `.data`")
+        if isinstance(value, zero_parameter.ZeroView) and value.zerodp_source is not param:
+            raise ParamStateError(
+                "sharing one parameter's `.data` with another is not supported under "
+                "zerodp.zero.Init; tie parameters by assigning the Parameter itself "
+                "(`module.weight = other.weight`)"
+            )
+        if tuple(value.shape) == tuple(param.shape):
+            self.hold(state)
+            start, end = state.flat.slot_of(state.flat.position_of(param))
+            with torch.no_grad(), PlainTensorOps():
+                state.flat.full[start:end].copy_(value.reshape(-1))
             self._publish(state)
             self.unhold(state)
-        self._dirty = []
+            return
+        self._unshard(state)
+        param.data = value
+
+    def _unshard(self, state: GroupState) -> None:
+        """Give the group's parameters their own whole tensors again; shard them later."""
+        self.hold(state)
+        flat = state.flat
+        with torch.no_grad(), PlainTensorOps():
+            for param, slot in zip(flat.params, flat.layout.slots, strict=True):
+                zero_parameter.release(param)
+                param.data = flat.full[slot.offset : slot.end].clone().view(slot.shape)
+        self.unhold(state)
+        self.index.remove(state)
+        self.on_unshard(state)
 
     def _publish(self, state: GroupState) -> None:
         """Rank 0's values win (as at construction); every rank keeps its shard."""
         self.comm.broadcast(state.flat.full, src=0)
         state.flat.take_shard_from_full()
+
+
+def _track_aliases(result: Any, source: nn.Parameter, key: int) -> Any:
+    """Results that share `source`'s storage become ZeroViews (see `ZeroView`)."""
+    if isinstance(result, torch.Tensor):
+        if storage_key(result) == key:
+            return zero_parameter.as_view_of(result, source)
+        return result
+    if type(result) in (list, tuple) and any(
+        isinstance(t, torch.Tensor) and storage_key(t) == key for t in result
+    ):
+        return type(result)(_track_aliases(t, source, key) for t in result)
+    return result
 
 
 def _gather_of(state: GroupState) -> GatherState:
@@ -228,8 +280,8 @@ def adopt_init_groups(
 
     A group is kept sharded as it is when the engine shards parameters, all of
     its parameters are still in the module (tying may have replaced some), they
-    share one optimizer param group and none is below the persistence
-    threshold. Any other group is gathered and its parameters made plain, so
+    share one optimizer param group and whether they require grad, and none is
+    below the persistence threshold. Any other group is gathered and its parameters made plain, so
     that the engine lays them out afresh (copying their values).
     """
     present = {id(p) for p in module.parameters()}
@@ -237,9 +289,12 @@ def adopt_init_groups(
     for state in init_groups(module):
         params = state.params
         same_group = len({trainable_groups.get(id(p), -1) for p in params}) == 1
+        # Model code may freeze part of a module after it was sharded (Whisper's positions).
+        same_grad = len({p.requires_grad for p in params}) == 1
         keep = (
             keep_sharded
             and same_group
+            and same_grad
             and all(id(p) in present for p in params)
             and all(p.numel() >= persistence_threshold for p in params)
         )

@@ -19,6 +19,7 @@ with the subclass disabled, so their results are plain tensors.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,9 +27,10 @@ import torch
 from torch import nn
 
 from zerodp.group import GroupState
-from zerodp.torch_internals import PlainTensorOps
+from zerodp.torch_internals import PlainTensorOps, is_noop_to
 
-AfterUse = Callable[[], None]
+# What to do once an operation has run: gets its result, returns what the caller sees.
+AfterUse = Callable[[Any], Any]
 
 
 class ParamOwner(Protocol):
@@ -38,6 +40,10 @@ class ParamOwner(Protocol):
         """Make `param` readable for `func`; may return what to do once `func` has run."""
         ...
 
+    def assign_data(self, param: nn.Parameter, value: Any) -> None:
+        """`param.data = value`: honour it, or raise an error that names what to do."""
+        ...
+
     def group_of(self, param: nn.Parameter) -> GroupState | None: ...
 
     def hold(self, state: GroupState) -> None: ...
@@ -45,10 +51,35 @@ class ParamOwner(Protocol):
     def unhold(self, state: GroupState) -> None: ...
 
 
+class _Owned:
+    """One entry of `_OWNERS`: the parameter (weakly) and its owner."""
+
+    __slots__ = ("key", "owner", "param")
+
+    def __init__(self, param: nn.Parameter, owner: ParamOwner) -> None:
+        self.key = id(param)
+        self.param = weakref.ref(param, self._forget)
+        self.owner = owner
+
+    def _forget(self, _: object) -> None:
+        if _OWNERS.get(self.key) is self:
+            del _OWNERS[self.key]
+
+
 # Sharded parameter -> its owner. Looked up on every torch operation that takes a sharded
-# parameter, so it is a plain dict (identity-keyed, the fastest lookup there is); entries
-# are removed by `release` when an engine is destroyed or Init hands a group over.
-_OWNERS: dict[int, ParamOwner] = {}
+# parameter, so it is a plain dict keyed by id() (the fastest lookup there is), each entry
+# checked against the parameter itself: a parameter that died without `release` (replaced
+# by tying while zero.Init built the model) must not lend its owner to a new tensor that
+# happens to get its id. Entries go when a parameter is released or dies.
+_OWNERS: dict[int, _Owned] = {}
+
+
+def _owner_entry(param: nn.Parameter) -> ParamOwner | None:
+    entry = _OWNERS.get(id(param))
+    if entry is None or entry.param() is not param:
+        return None
+    return entry.owner
+
 
 _METADATA_PROPERTIES = frozenset(
     {
@@ -69,6 +100,8 @@ _METADATA_METHODS: frozenset[Callable[..., Any]] = frozenset(
         torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__,
         torch.Tensor.untyped_storage, torch.Tensor.get_device, torch.Tensor.__len__,
         torch.Tensor._is_view, torch.Tensor.data_ptr,
+        # Compares tensor types only (`module.to()` asks it before assigning `.data`).
+        torch._has_compatible_shallow_copy_type,
         # Autograd entry points only route gradients; they never read parameter data.
         torch.autograd.grad, torch.autograd.backward,
         # New tensors shaped like the parameter: its data is never read.
@@ -96,12 +129,48 @@ def _is_metadata(func: Callable[..., Any]) -> bool:
 def _visit_params(obj: Any, found: list[nn.Parameter]) -> None:
     if isinstance(obj, ZeroParameter):
         found.append(obj)
+    elif isinstance(obj, ZeroView):
+        found.append(obj.zerodp_source)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
             _visit_params(item, found)
     elif isinstance(obj, dict):
         for item in obj.values():
             _visit_params(item, found)
+
+
+def _dispatch(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> Any:
+    """Run a torch operation on sharded parameters (or views of them), gathered as needed."""
+    kwargs = kwargs or {}
+    if func is torch.Tensor.to and is_noop_to(args[0], args[1:], kwargs):
+        return args[0]  # what torch returns too; nothing is read (`module.to(its device)`)
+    if _is_data_setter(func) and isinstance(args[0], ZeroParameter):
+        owner = _owner_entry(args[0])
+        if owner is not None:
+            owner.assign_data(args[0], args[1])
+            return None
+    after: list[AfterUse] = []
+    if not _is_metadata(func):
+        found: list[nn.Parameter] = []
+        if func in _SHAPE_OF_OTHER:
+            _visit_params(args[:1], found)
+        else:
+            _visit_params(args, found)
+            if kwargs:
+                _visit_params(kwargs, found)
+        for param in found:
+            owner = _owner_entry(param)
+            if owner is not None:
+                finish = owner.before_use(param, func)
+                if finish is not None:
+                    after.append(finish)
+    with PlainTensorOps():
+        result = func(*args, **kwargs)
+    for finish in after:
+        result = finish(result)
+    return result
 
 
 class ZeroParameter(nn.Parameter):
@@ -115,31 +184,49 @@ class ZeroParameter(nn.Parameter):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        after: list[AfterUse] = []
-        if not _is_metadata(func):
-            found: list[nn.Parameter] = []
-            if func in _SHAPE_OF_OTHER:
-                _visit_params(args[:1], found)
-            else:
-                _visit_params(args, found)
-                if kwargs:
-                    _visit_params(kwargs, found)
-            for param in found:
-                owner = _OWNERS.get(id(param))
-                if owner is not None:
-                    finish = owner.before_use(param, func)
-                    if finish is not None:
-                        after.append(finish)
-        with PlainTensorOps():
-            result = func(*args, **kwargs)
-        for finish in after:
-            finish()
-        return result
+        return _dispatch(func, args, kwargs)
+
+
+class ZeroView(torch.Tensor):
+    """A view of a sharded parameter handed out while building under `zero.Init`.
+
+    `weight[0]`, `weight.data`, `weight.t()`: the result shares the
+    parameter's storage, which is freed again once the operation is done (see
+    [Note: stage 3 storage]). Returned as a plain tensor, writing to it later
+    (`init.zeros_(module.weight[padding_idx])`) would write to freed memory;
+    as a `ZeroView` every operation on it gathers its parameter first and
+    publishes what an in-place operation wrote, exactly as an operation on
+    the parameter itself does.
+    """
+
+    zerodp_source: nn.Parameter
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return _dispatch(func, args, kwargs)
+
+
+def as_view_of(tensor: torch.Tensor, source: nn.Parameter) -> torch.Tensor:
+    """`tensor` (sharing `source`'s storage) as a ZeroView that gathers `source` on use."""
+    if isinstance(tensor, (ZeroParameter, ZeroView)):
+        return tensor
+    view = tensor.as_subclass(ZeroView)
+    view.zerodp_source = source
+    return view
+
+
+def _is_data_setter(func: Callable[..., Any]) -> bool:
+    return getattr(func, "__name__", "") == "__set__" and is_data_property(func)
 
 
 def owner_of(param: nn.Parameter) -> ParamOwner | None:
-    return _OWNERS.get(id(param))
+    return _owner_entry(param)
 
 
 def is_data_property(func: Callable[..., Any]) -> bool:
@@ -164,7 +251,7 @@ def adopt(param: nn.Parameter, owner: ParamOwner) -> None:
             "only plain torch.nn.Parameter objects are supported"
         )
     param.__class__ = ZeroParameter
-    _OWNERS[id(param)] = owner
+    _OWNERS[id(param)] = _Owned(param, owner)
 
 
 def release(param: nn.Parameter) -> None:

@@ -48,7 +48,6 @@ class FlatGroup:
         self.params = params
         self.names = names
         self.param_group_index = param_group_index
-        self.trainable = all(p.requires_grad for p in params)
         self.dtype = params[0].dtype
         self.device = device
         self.rank = rank
@@ -65,6 +64,12 @@ class FlatGroup:
             param.data = self.full[slot.offset : slot.end].view(slot.shape)
         start, end = self.layout.shard_range(rank)
         self.shard = self.full[start:end] if persistent else self.full[start:end].clone()
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the group's parameters require grad (its members all agree, see
+        `zerodp.params.init.adopt_init_groups`)."""
+        return all(p.requires_grad for p in self.params)
 
     # -- sizes and ranges -------------------------------------------------------------
 
