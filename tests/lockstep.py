@@ -6,8 +6,12 @@ bf16/fp16 the same recipe written out by hand). The test calls `forward`, `backw
 `zero_grad` and `step` as it would on the engine; each call is mirrored on the reference,
 every full gradient is compared after every backward, and after every optimizer step the
 weights (fp32) or the fp32 masters and the bf16/fp16 parameters (mixed precision) are
-compared (`zerodp.testing.parity`). Stage, accumulation and precision are read from the
-zerodp config, so both sides always run the same recipe.
+compared (`zerodp.testing.parity`). Where the reference defers its reduction to the boundary
+(mixed precision at stages 0 and 1 with accumulation), a gradient check compares zerodp's
+full gradient with the reference's local sums averaged by an explicit all_reduce
+(`ReferenceDP.reduced_grad`). Stage, accumulation and precision are read from the zerodp
+config, so both sides always run the same recipe. `grad_comparisons` and
+`param_comparisons` count the comparisons actually made, so that a test can assert them.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ def config_dtype(config: dict[str, Any]) -> str:
 
 
 def assert_all_released(model: nn.Module, stage: int, where: str = "") -> None:
-    """No parameter is left in flight; at stage 3 every sharded one is released."""
+    """No parameter is left in flight; at stage 3 every sharded one is released; every
+    persistent one (every parameter at stages 0-2) is available."""
     for name, param in model.named_parameters():
         status = param_status(param)
         assert status is not ParamStatus.INFLIGHT, (where, name)
         if stage == 3 and not is_persistent(param):
             assert status is ParamStatus.NOT_AVAILABLE, (where, name, status)
+        if is_persistent(param):
+            assert status is ParamStatus.AVAILABLE, (where, name, status)
 
 
 class Lockstep:
@@ -92,6 +99,8 @@ class Lockstep:
         self.grad_tolerance = grad_tolerance or {}
         self.param_tolerance = param_tolerance or {}
         self.checks = 0  # gradient comparisons requested (after backward passes and by tests)
+        self.grad_comparisons = 0  # made (each compares every gradient)
+        self.param_comparisons = 0  # made after a step (each compares every weight)
         self.reference = ReferenceDP(
             reference_model if reference_model is not None else copy.deepcopy(model),
             reference_optimizer,
@@ -166,11 +175,9 @@ class Lockstep:
         return True
 
     def check(self, what: str) -> None:
-        """Every full gradient against the reference's (not while the reference holds only
-        local sums, between the boundaries of a deferred reduction)."""
+        """Every full gradient against the reference's (while the reference holds local sums,
+        between the boundaries of a deferred reduction, against those sums averaged now)."""
         self.checks += 1
-        if self.reference.defer_reduction:
-            return
         loss_scale = self.engine.loss_scale if self.mixed else 1.0
         assert_grads_match(
             self.model,
@@ -179,15 +186,17 @@ class Lockstep:
             loss_scale=loss_scale,
             **self.grad_tolerance,
         )
+        self.grad_comparisons += 1
 
     def check_params(self, what: str) -> None:
         """fp32: every weight. Mixed precision: the fp32 masters and the bf16/fp16 weights."""
         where = self.where(what)
         if not self.mixed:
             assert_params_match(self.model, self.reference, where, **self.param_tolerance)
-            return
-        assert_masters_match(self.model, self.reference, where, **self.param_tolerance)
-        assert_working_params_match(self.model, self.reference, where, **self.param_tolerance)
+        else:
+            assert_masters_match(self.model, self.reference, where, **self.param_tolerance)
+            assert_working_params_match(self.model, self.reference, where, **self.param_tolerance)
+        self.param_comparisons += 1
 
     def check_all_released(self) -> None:
         assert_all_released(self.model, self.stage, self.where("released"))

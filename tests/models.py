@@ -80,6 +80,12 @@ def token_inputs(rank: int, step: int, vocab: int = 13, batch: int = 4) -> torch
     return torch.randint(0, vocab, (batch, 5), generator=generator)
 
 
+def shared_block_inputs(rank: int, step: int, batch: int = 3) -> torch.Tensor:
+    """SharedBlockNet's inputs, different on every rank and step."""
+    generator = torch.Generator().manual_seed(3000 + 1000 * rank + step)
+    return torch.randn(batch, 5, generator=generator)
+
+
 class LifecycleNet(nn.Module):
     """Modules for every backward pattern: a checkpointable middle, a frozen and an unused layer."""
 

@@ -3,10 +3,12 @@
 Each cell runs one autograd pattern on zerodp and on the data-parallel reference in lockstep
 (a plain model copy per rank; each backward's gradients averaged with an explicit all_reduce)
 and compares every full gradient after every backward, and after every optimizer step the
-weights (fp32) or the fp32 masters and the bf16/fp16 weights (mixed precision, at the
-tolerances of `zerodp.testing.parity`); the driver is `tests.lockstep.Lockstep`. Under mixed
-precision at stages 0 and 1 with accumulation the reference only sums locally between
-boundaries, so there only the step's weights are compared. DDP is not a reference here: it
+weights (fp32) or the fp32 masters and the bf16/fp16 weights (mixed precision: gradients and
+weights bitwise where both sides do the same operations, see `same_arithmetic`); the driver is
+`tests.lockstep.Lockstep`, and every case asserts how many comparisons it made
+(`COMPARISONS`). Under mixed precision at stages 0 and 1 with accumulation the reference only
+sums locally between boundaries, so there zerodp's full gradient is compared with the
+reference's local sums averaged by an explicit all_reduce. DDP is not a reference here: it
 does not reduce a second backward on a retained graph (PyTorch issue 47260);
 `test_ddp_misses_*` shows it. Stage 3 runs with every parameter sharded (persistence
 threshold 0).
@@ -27,12 +29,24 @@ from tests.configs import optimizer_config, zerodp_config
 from tests.lockstep import STYLES, Lockstep
 from tests.models import LifecycleNet, TinyNet, lifecycle_inputs, tiny_inputs
 from zerodp.testing import ReferenceDP
+from zerodp.testing.parity import BITWISE
 
 ADAM = optimizer_config("Adam", lr=1e-2, adam_w_mode=False)  # torch.optim.Adam's update
 
 
 def _reference_adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2)
+
+
+def same_arithmetic(dtype: str, style: str) -> bool:
+    """Whether zerodp and the hand-written mixed-precision recipe do exactly the same
+    operations, so that gradients, fp32 masters and bf16/fp16 weights are compared bitwise:
+    the default mixed tolerance (1.6% for bf16) would let a 1% learning-rate or gradient
+    error through, and Adam's first step hardly depends on the gradient's scale. The one
+    exception (`zerodp.testing.parity.MIXED_TOLERANCE`): a plain fp16 loss.backward(), whose
+    loss scale zerodp applies to the gradients, not to the loss. fp32 runs keep the fp32
+    tolerance (zerodp sums locally then averages where the reference averages each backward)."""
+    return dtype == "bf16" or (dtype == "fp16" and style != "loss_backward")
 
 
 class LifecycleRun(Lockstep):
@@ -55,7 +69,15 @@ class LifecycleRun(Lockstep):
             dtype=dtype,
             loss_scale_power=4 if dtype == "fp16" else None,
         )
-        super().__init__(LifecycleNet(checkpoint), config, _reference_adam, style=style)
+        exact = BITWISE if same_arithmetic(dtype, style) else None
+        super().__init__(
+            LifecycleNet(checkpoint),
+            config,
+            _reference_adam,
+            style=style,
+            grad_tolerance=exact,
+            param_tolerance=exact,
+        )
         self.prologues: list[int] = []
         self.epilogues: list[int] = []
         self.engine.register_backward_hooks(
@@ -227,7 +249,28 @@ CASES: dict[str, tuple[Callable[[LifecycleRun], None], dict[str, Any]]] = {
 }
 
 
-def run_case(stage: int, style: str, case: str, gas: int | None = None, dtype: str = "fp32") -> int:
+# The comparisons each case makes, counted by the pattern's own text: (gradient comparisons,
+# weight comparisons), one gradient comparison per backward pass (and per explicit
+# `run.check`), one weight comparison per optimizer step (accumulation boundary).
+COMPARISONS = {
+    "01_retain_zero_grad": (2, 0),
+    "02_retain_accumulate": (2, 0),
+    "03_three_losses": (3, 0),
+    "06_gradient_penalty": (2, 0),
+    "07_checkpoint_nonreentrant": (2, 2),
+    "07_checkpoint_reentrant": (2, 2),
+    "08_two_forwards": (1, 0),
+    "09_frozen_and_unused": (2, 2),
+    "10_accumulation_with_retain": (5, 1),
+    "11_five_steps": (10, 5),
+    "12_grad_of_parameters": (1, 0),
+}
+
+
+def run_case(
+    stage: int, style: str, case: str, gas: int | None = None, dtype: str = "fp32"
+) -> tuple[int, int]:
+    """Run one case; returns the (gradient, weight) comparisons actually made."""
     pattern, options = CASES[case]
     options = dict(options, dtype=dtype)
     if gas is not None:
@@ -235,21 +278,27 @@ def run_case(stage: int, style: str, case: str, gas: int | None = None, dtype: s
     run = LifecycleRun(stage, style, **options)
     pattern(run)
     run.finish()  # 4: one prologue and one epilogue per graph task; nothing left gathered
-    return run.checks
+    return run.grad_comparisons, run.param_comparisons
+
+
+def assert_all_compared(case: str, counts: list[tuple[int, int]]) -> None:
+    """Every rank made every comparison the case's pattern calls for (none skipped)."""
+    assert all(tuple(c) == COMPARISONS[case] for c in counts), (case, counts)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_lifecycle_matrix(pools, stage: int, style: str, case: str) -> None:
-    checks = pools(2).run(run_case, stage, style, case)
-    assert checks[0] > 0
+    counts = pools(2).run(run_case, stage, style, case)
+    assert counts[0][0] > 0
+    assert_all_compared(case, counts)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("style", STYLES)
 def test_lifecycle_matrix_stage3_world_size_3(pools, style: str, case: str) -> None:
-    pools(3).run(run_case, 3, style, case)
+    assert_all_compared(case, pools(3).run(run_case, 3, style, case))
 
 
 MIXED_CASES = [
@@ -268,13 +317,14 @@ MIXED_CASES = [
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_lifecycle_matrix_mixed_precision(pools, stage: int, dtype: str, style: str, case: str):
-    pools(2).run(run_case, stage, style, case, None, dtype)
+    assert_all_compared(case, pools(2).run(run_case, stage, style, case, None, dtype))
 
 
 @pytest.mark.parametrize("gas", [1, 2])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_seed_case_under_accumulation(pools, stage: int, gas: int) -> None:
-    pools(2).run(run_case, stage, "engine_backward", "01_retain_zero_grad", gas)
+    counts = pools(2).run(run_case, stage, "engine_backward", "01_retain_zero_grad", gas)
+    assert_all_compared("01_retain_zero_grad", counts)
 
 
 # -- DDP, the second witness, is wrong on the seed case ---------------------------------------

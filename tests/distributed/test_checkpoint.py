@@ -170,11 +170,18 @@ def test_invalid_save_targets_raise_on_every_rank(pools, tmp_path) -> None:
 # -- atomic saves ------------------------------------------------------------------------------
 
 
-def save_then_die_in_second_save(directory: str) -> None:
-    _model, engine, loader = _build(2)
+def save_then_die_in_second_save(directory: str, weights_file: str) -> None:
+    model, engine, loader = _build(2)
     _train(engine, loader, 2)
     engine.save_checkpoint(directory, tag="first")
+    # What "first" holds, and what "second" would have held: written down here, since this
+    # run dies (the test reads them from `weights_file`).
+    first = [zerodp.utils.safe_get_full_fp32_param(p) for p in model.parameters()]
     _train(engine, loader, 1)
+    second = [zerodp.utils.safe_get_full_fp32_param(p) for p in model.parameters()]
+    if dist.get_rank() == 0:
+        torch.save({"first": first, "second": second}, weights_file)
+    dist.barrier()
     from torch.distributed.checkpoint import FileSystemWriter
 
     original = FileSystemWriter.write_data
@@ -198,13 +205,22 @@ def load_first(directory: str) -> list[torch.Tensor]:
 
 
 def test_a_save_killed_part_way_keeps_the_previous_checkpoint(tmp_path) -> None:
+    directory, weights_file = tmp_path / "ckpt", tmp_path / "weights.pt"
     with pytest.raises(DistributedTestError):
-        run_distributed(save_then_die_in_second_save, 2, str(tmp_path), timeout_s=90)
-    assert (tmp_path / "latest").read_text() == "first"
-    assert (tmp_path / "first" / "zerodp_state.json").is_file()
-    assert not (tmp_path / "second").exists()
-    params = run_distributed(load_first, 2, str(tmp_path))[0]
-    assert all(torch.isfinite(p).all() for p in params)
+        run_distributed(
+            save_then_die_in_second_save, 2, str(directory), str(weights_file), timeout_s=90
+        )
+    assert (directory / "latest").read_text() == "first"
+    assert (directory / "first" / "zerodp_state.json").is_file()
+    assert not (directory / "second").exists()
+    recorded = torch.load(weights_file, weights_only=True)
+    # The step between the saves changed the weights, so "first" is told apart from "second".
+    assert any(not torch.equal(a, b) for a, b in zip(*recorded.values(), strict=True))
+    for rank, params in enumerate(run_distributed(load_first, 2, str(directory))):
+        assert all(torch.isfinite(p).all() for p in params)
+        assert len(params) == len(recorded["first"]), rank
+        for index, (loaded, saved) in enumerate(zip(params, recorded["first"], strict=True)):
+            torch.testing.assert_close(loaded, saved, rtol=0, atol=0, msg=f"rank {rank}, {index}")
 
 
 # -- resharding across world sizes and stages ----------------------------------------------
@@ -318,6 +334,10 @@ def test_consolidate_writes_a_plain_state_dict(pools, tmp_path, stage, dtype) ->
     torch_file = consolidate_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "model.pt"))
     state = torch.load(torch_file, weights_only=True)
     DropoutNet().load_state_dict(state, strict=True)
+    # Its values are the trained model's full fp32 parameters.
+    assert set(state) == set(values)
+    for name, value in values.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=name)
 
 
 # -- safe loading --------------------------------------------------------------------------

@@ -50,6 +50,15 @@ def user_optimizer_and_scheduler(stage: int, as_callable: bool) -> None:
         assert engine.get_lr() == ref_sched.get_last_lr()
         assert_params_match(model, reference, f"stage {stage}, step {step}")
     assert isinstance(optimizer, torch.optim.Optimizer)
+    # The optimizer returned is the one that steps: the scheduler sets its lr, and its
+    # momentum is the reference SGD's, parameter by parameter.
+    assert optimizer is engine.optimizer
+    assert [g["lr"] for g in optimizer.param_groups] == ref_sched.get_last_lr()
+    for param, ref_param in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(
+            zerodp.utils.safe_get_full_optimizer_state(param, "momentum_buffer"),
+            reference.optimizer.state[ref_param]["momentum_buffer"],
+        )
     engine.destroy()
 
 
@@ -57,6 +66,9 @@ def user_optimizer_and_scheduler(stage: int, as_callable: bool) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_user_optimizer_and_scheduler(pools, stage: int, as_callable: bool) -> None:
     pools(2).run(user_optimizer_and_scheduler, stage, as_callable)
+
+
+CLIP = 0.05  # gradient_clipping in `accessors`: below the gradient norm of every step
 
 
 def accessors(stage: int) -> None:
@@ -67,6 +79,7 @@ def accessors(stage: int) -> None:
         stage,
         optimizer=optimizer_config("Adam", lr=1e-2, adam_w_mode=False),
         persistence_threshold=0,
+        clipping=CLIP,
     )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.Adam(p, lr=1e-2))
@@ -87,6 +100,14 @@ def accessors(stage: int) -> None:
         engine.backward(engine(x).square().mean())
         reference.run_backward(lambda x=x: ref_model(x).square().mean().backward())
         engine.step()
+        # The global norm of the averaged gradient, before clipping (which it triggers).
+        ref_norm = torch.linalg.vector_norm(
+            torch.cat([reference.grad(p).reshape(-1) for p in reference.params])
+        ).item()
+        assert ref_norm > 2 * CLIP, ref_norm
+        norm = engine.get_global_grad_norm()
+        assert norm == pytest.approx(ref_norm, rel=1e-5), (stage, step, norm, ref_norm)
+        reference.clip(CLIP)
         reference.step()
         reference.zero_grad()
     assert_params_match(model, reference, f"stage {stage} after safe_set_full_fp32_param")

@@ -19,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
+from tests.lockstep import assert_all_released
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_grads_match, assert_params_match
 from zerodp.zero import ParamStatus, is_persistent, param_status
@@ -67,11 +68,13 @@ def assert_tied(model: GPT2LMHeadModel, where: str) -> None:
 
 
 def assert_released(model: torch.nn.Module, where: str) -> None:
-    """After step() no sharded parameter may stay gathered (or be left in flight)."""
+    """After step() no sharded parameter may stay gathered, nothing is left in flight, and
+    every persistent parameter is available (`tests.lockstep.assert_all_released`)."""
     for name, param in model.named_parameters():
         if not is_persistent(param):
             status = param_status(param)
             assert status is ParamStatus.NOT_AVAILABLE, f"{where}: {name} is {status}"
+    assert_all_released(model, 3, where)
 
 
 def gpt2_parity(threshold: int, steps: int) -> int:

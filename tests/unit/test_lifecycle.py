@@ -97,12 +97,27 @@ def test_a_new_task_after_a_dead_one_aborts_it_first() -> None:
     recorder = Recorder(lifecycle)
     x = torch.randn(3, requires_grad=True)
     y = _observed(lifecycle, x * 2)
-    bad = y * 3
-    bad.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
-    # The first hook to run is `bad`'s own (it raises before y's): use y's order instead.
-    with pytest.raises(RuntimeError):
-        (y.sum() + bad.sum()).backward(retain_graph=True)
-    y.sum().backward()
+    z = y * 3
+
+    def explode(grad: torch.Tensor) -> None:
+        raise RuntimeError("boom")
+
+    # y's hooks run in registration order: the lifecycle observes (the task starts), then
+    # the task dies inside backward, so autograd never runs its epilogue.
+    y.register_hook(explode)
+    with pytest.raises(RuntimeError, match="boom"):
+        (y.sum() + z.sum()).backward()
+    assert lifecycle.running and lifecycle.num_prologues == 1 and lifecycle.num_aborted == 0
+    (dead,) = [task for kind, task in recorder.events if kind == "prologue"]
+    # The next task's first hook (same depth, another task) aborts the dead one, then starts.
+    w = _observed(lifecycle, x * 5)
+    w.sum().backward()
+    assert lifecycle.num_aborted == 1
     kinds = [kind for kind, _ in recorder.events]
+    assert kinds == ["prologue", "abort", "prologue", "epilogue"]
     assert kinds[-2:] == ["prologue", "epilogue"]
+    new = recorder.events[2][1]
+    assert recorder.events[1] == ("abort", dead)
+    assert new != dead and recorder.events[3] == ("epilogue", new)
     assert lifecycle.num_epilogues == 1
+    assert not lifecycle.running

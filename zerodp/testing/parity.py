@@ -77,13 +77,16 @@ def assert_grads_match(
     the accumulation) dtype: they are compared in fp32 after dividing out `loss_scale`,
     the scale their losses were multiplied by (zerodp's accessor returns unscaled fp32
     gradients). A parameter zerodp holds no gradient for must have a zero reference one.
+    While a deferred reduction holds local sums (`ReferenceDP(defer_reduction=True)` between
+    accumulation boundaries), the reference side is those sums averaged over ranks now
+    (`ReferenceDP.reduced_grad`), so the comparison is made there too.
     """
     tol = {**default_tolerance(reference.dtype), **tolerance}
     if not reference.mixed and loss_scale != 1.0:
         raise ValueError("an fp32 reference is never loss-scaled")
     for name, param, ref_param in _pairs(model, reference, where, trainable_only=True):
         full = utils.safe_get_full_grad(param)
-        expected = reference.grad(ref_param)
+        expected = reference.reduced_grad(ref_param)
         if reference.mixed:
             expected = expected.float() / loss_scale
         if full is None:

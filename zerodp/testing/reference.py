@@ -98,6 +98,22 @@ class ReferenceDP:
     def grad(self, param: nn.Parameter) -> torch.Tensor:
         return self.grads[id(param)]
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The gradient a reduction now would give: the kept gradient plus, with
+        defer_reduction, the local sums so far averaged over ranks by an explicit all-reduce
+        (of a copy: the local sums stay local). A collective: every rank calls it for the
+        same parameter. Between the boundaries of a deferred reduction this is what a
+        data-parallel engine's full gradient is (zerodp's accessor reduces its local sum
+        the same way)."""
+        grad = self.grads[id(param)]
+        if not self.defer_reduction:
+            return grad
+        local = self.local[id(param)].clone()
+        if self.world_size > 1:
+            dist.all_reduce(local)
+            local.div_(self.world_size)
+        return grad + local
+
     def zero_grad(self) -> None:
         for grad in self.grads.values():
             grad.zero_()
