@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp import managed
+from zerodp import guards, managed
 from zerodp.assembly import EngineCallbacks, assemble
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
@@ -110,12 +110,17 @@ class ZeroEngine(DeepSpeedEngineMethods):
         self.training_dataloader = parts.training_dataloader
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
+        self._guard = guards.ModuleGuard(module)
+        self._handles.append(self._guard)
+        guards.mark_own_optimizer(self.optimizer)
+        guards.mark_own_optimizer(self.optimizer.inner)
         managed.register(self, self.groups.params)
 
     # -- lifecycle callbacks -------------------------------------------------------------
 
     def _on_forward_start(self) -> None:
         if not autograd_api.in_backward():
+            self._guard.check_forward()
             self.ensure_no_stale_backward()
 
     def _unscaled_backward_factor(self) -> float:

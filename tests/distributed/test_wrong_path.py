@@ -1,0 +1,87 @@
+"""A managed model handed to DDP, FSDP, FSDP2, another optimizer or the plain HF Trainer is
+refused when it happens, with a message that names what to use; nothing is trained wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import zerodp
+from tests.configs import optimizer_config, zerodp_config
+from tests.models import TinyNet, tiny_inputs
+
+CONFIG = {
+    stage: zerodp_config(stage, optimizer=optimizer_config("SGD", lr=0.1)) for stage in (1, 3)
+}
+
+
+def _managed(stage: int) -> tuple[zerodp.ZeroEngine, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    engine, _, _, _ = zerodp.initialize(model=model, config=CONFIG[stage])
+    return engine, model
+
+
+def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [zerodp.utils.safe_get_full_fp32_param(p) for p in model.parameters()]
+
+
+def wrappers_are_refused(stage: int) -> list[str]:
+    engine, model = _managed(stage)
+    messages = []
+    with pytest.raises(zerodp.UsageError, match="do not wrap it in DDP") as error:
+        DistributedDataParallel(model)
+    messages.append(str(error.value))
+
+    from torch.distributed.fsdp import fully_shard
+
+    before = _weights(model)
+    try:
+        fully_shard(model)
+    except Exception as refused:  # FSDP2 may refuse a sharded model itself: also fine
+        messages.append(f"fully_shard itself refused: {refused}")
+    else:
+        with pytest.raises(zerodp.UsageError, match="FSDP2") as error:
+            model(tiny_inputs(dist.get_rank(), 0))
+        messages.append(str(error.value))
+    del before
+    engine.destroy()
+    return messages
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_wrapping_a_managed_model_is_refused(pools, stage: int) -> None:
+    for message in pools(2).run(wrappers_are_refused, stage)[0]:
+        assert "ZeroDPTrainer" in message or "refused" in message, message
+
+
+def second_optimizer_is_refused(stage: int) -> str:
+    engine, model = _managed(stage)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine(tiny_inputs(dist.get_rank(), 0)).square().mean().backward()
+    before = _weights(model)
+    with pytest.raises(zerodp.UsageError, match=r"engine\.optimizer") as error:
+        other.step()
+    after = _weights(model)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    engine.step()  # the engine's own optimizer is not refused
+    assert any(not torch.equal(a, b) for a, b in zip(after, _weights(model), strict=True))
+    engine.destroy()
+    return str(error.value)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_second_optimizer_on_managed_parameters_is_refused(pools, stage: int) -> None:
+    pools(2).run(second_optimizer_is_refused, stage)
+
+
+def ddp_trap_is_removed_at_destroy() -> None:
+    engine, model = _managed(1)
+    engine.destroy()
+    DistributedDataParallel(model)  # a plain model again: DDP may wrap it
+
+
+def test_destroy_lifts_the_guards(pools) -> None:
+    pools(2).run(ddp_trap_is_removed_at_destroy)
