@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.waiting import OnStall, wait_watched
 from zerodp.errors import AGREED_TYPES, AgreedError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -58,16 +59,28 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective; `wait()` blocks until its result may be read."""
+    """An in-flight collective; `wait()` blocks until its result may be read.
 
-    __slots__ = ("_work",)
+    With `on_stall`, a wait that lasts calls it every second (it may raise; see
+    `zerodp.comm.waiting`). `timed`: the work honours a timed wait (gloo's reduce-scatter
+    does not).
+    """
 
-    def __init__(self, work: Any = None) -> None:
+    __slots__ = ("_on_stall", "_timed", "_work")
+
+    def __init__(
+        self, work: Any = None, on_stall: OnStall | None = None, timed: bool = True
+    ) -> None:
         self._work = work
+        self._on_stall = on_stall
+        self._timed = timed
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            if self._on_stall is None:
+                self._work.wait()
+            else:
+                wait_watched(self._work, self._on_stall, timed=self._timed)
             self._work = None
 
     @property
@@ -86,6 +99,8 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        # Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only).
+        self.on_stall: OnStall | None = None
 
     # -- tensors -----------------------------------------------------------------
 
@@ -95,7 +110,7 @@ class Comm:
         self.stats.record(CollectiveKind.ALL_REDUCE, _nbytes(tensor))
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall) if async_op else _DONE
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -115,7 +130,7 @@ class Comm:
             return _DONE
         self.stats.record(CollectiveKind.REDUCE_SCATTER, _nbytes(input))
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall, timed=False) if async_op else _DONE
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
@@ -132,7 +147,7 @@ class Comm:
             return _DONE
         self.stats.record(CollectiveKind.ALL_GATHER, _nbytes(output))
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall) if async_op else _DONE
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         if self.world_size == 1:
@@ -140,7 +155,7 @@ class Comm:
         self.stats.record(CollectiveKind.BROADCAST, _nbytes(tensor))
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall) if async_op else _DONE
 
     # -- decisions ---------------------------------------------------------------
 
