@@ -27,15 +27,15 @@ from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
-from zerodp.engine_compat import DeepSpeedEngineMethods, ZeroGradRoute, check_loss
+from zerodp.engine_compat import (
+    DeepSpeedEngineMethods,
+    ZeroGradRoute,
+    check_loss,
+    model_state_tensors,
+)
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
-from zerodp.monitor.memory import (
-    ModelStateBytes,
-    ModelStateTensors,
-    model_state_bytes,
-    optimizer_state_tensors,
-)
+from zerodp.monitor.memory import ModelStateBytes, model_state_bytes
 from zerodp.monitor.training import BoundaryRecord
 
 logger = logging.getLogger("zerodp")
@@ -108,6 +108,8 @@ class ZeroEngine(DeepSpeedEngineMethods):
         self.reporter = parts.reporter
         self.eigenvalue = parts.eigenvalue
         self.training_dataloader = parts.training_dataloader
+        self.offload = parts.offload
+        self._offload_storage = parts.offload_storage
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         self._guard = guards.ModuleGuard(module)
@@ -417,6 +419,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
 
     def _checkpoint_subject(self) -> CheckpointSubject:
         def after_load() -> None:
+            self.optimizer.place_offloaded_state()
             self.optimizer.sync_params_from_owned()
             self.zero_grad()
 
@@ -439,19 +442,13 @@ class ZeroEngine(DeepSpeedEngineMethods):
     # -- inspection --------------------------------------------------------------------
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes this rank holds in parameters, gradients and optimizer state."""
-        states = self.groups.states
-        loose = [p for p in self.module.parameters() if not self.groups.manages(p)]
-        kept = [s.grads.storage for s in states if s.grads is not None]
-        user_grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        copies = [s.optim.copy for s in states if s.optim is not None and s.optim.copy is not None]
-        return model_state_bytes(
-            ModelStateTensors(
-                params=[s.flat.full for s in states] + [s.flat.shard for s in states] + loose,
-                grads=kept + user_grads,
-                optimizer=optimizer_state_tensors(self.optimizer) + copies,
-            )
-        )
+        """Bytes this rank holds in parameters, gradients and optimizer state.
+
+        Split into device and host: with offload, the optimizer copies and state of
+        offloaded groups, their host gradient buffers and offloaded shards count as
+        host bytes (also on a CPU-only machine, where both are the same memory).
+        """
+        return model_state_bytes(model_state_tensors(self.module, self.groups, self.optimizer))
 
     def param_status(self, param: nn.Parameter) -> ParamStatus:
         """NOT_AVAILABLE, INFLIGHT or AVAILABLE (parameters zerodp does not shard: AVAILABLE)."""
@@ -471,5 +468,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
             param.grad = None
         managed.unregister(self.groups.params)
         self.reporter.close()
+        if self._offload_storage is not None:
+            self._offload_storage.close()  # NVMe files are private to the run: removed
         self.reducer.states = []
         self._destroyed = True
