@@ -50,6 +50,7 @@ MICRO = 2  # per rank; the single-process reference takes 2 x MICRO
 WORLD = 2
 LR = 1e-3
 FP32_BOUND = 1e-5
+EVAL_SAMPLES = 8
 
 # A config as people write it for the HF Trainer's DeepSpeed integration.
 DEEPSPEED_STYLE = {
@@ -109,7 +110,12 @@ CASES = [
         {"weight_decay": 0.0, "warmup_steps": 1, "num_train_epochs": 1, "max_steps": -1},
         samples=36,
     ),
-    Case("stage 3", STAGE3, {"max_grad_norm": 0.5}, resume_and_save=True),
+    Case(
+        "stage 3",
+        STAGE3,
+        {"max_grad_norm": 0.5, "eval_strategy": "steps", "eval_steps": 2},
+        resume_and_save=True,
+    ),
     Case("stage 3, bf16", STAGE3, {"bf16": True}, resume_and_save=False),
 ]
 
@@ -118,6 +124,7 @@ def training_args(output_dir: str, per_device: int, case: Case, **extra: Any) ->
     values: dict[str, Any] = {
         "output_dir": output_dir,
         "per_device_train_batch_size": per_device,
+        "per_device_eval_batch_size": per_device,
         "gradient_accumulation_steps": GAS,
         "max_steps": STEPS,
         "learning_rate": LR,
@@ -180,6 +187,7 @@ def train_case(case: Case, workdir: str) -> tuple[Any, dict[str, Any]]:
         model=build_llama(),
         args=training_args(out, MICRO, case, **extra),
         train_dataset=TokenDataset(case.samples),
+        eval_dataset=TokenDataset(EVAL_SAMPLES),
         zerodp_config=config_for(case, workdir),
     )
     trainer.train()
@@ -206,6 +214,7 @@ def resume_from_middle(case: Case, workdir: str) -> dict[str, torch.Tensor]:
         model=build_llama(seed=1),  # different initial weights: the checkpoint must replace them
         args=training_args(os.path.join(workdir, "resumed"), MICRO, case),
         train_dataset=TokenDataset(case.samples),
+        eval_dataset=TokenDataset(EVAL_SAMPLES),
         zerodp_config=config_for(case, workdir),
     )
     trainer.train(resume_from_checkpoint=checkpoint)
@@ -286,6 +295,7 @@ def plain_trainer(case: Case, workdir: Path) -> tuple[dict[str, torch.Tensor], l
         model=model,
         args=training_args(str(workdir / "plain"), MICRO * WORLD, case),
         train_dataset=TokenDataset(case.samples),
+        eval_dataset=TokenDataset(EVAL_SAMPLES),
     )
     trainer.train()
     assert trainer.accelerator.num_processes == 1
@@ -383,6 +393,11 @@ def test_zerodp_trainer_matches_plain_trainer(pools, tmp_path: Path) -> None:
                 assert a["learning_rate"] == b["learning_rate"], (case.name, a, b)
                 assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (case.name, a, b)
                 assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (case.name, a, b)
+            evals = [
+                [e["eval_loss"] for e in log if "eval_loss" in e] for log in (result["logs"], logs)
+            ]
+            assert evals[0] == pytest.approx(evals[1], rel=1e-6), (case.name, evals)
+            assert len(evals[0]) == (STEPS // 2 if "eval_strategy" in case.args else 0)
         table.append(f"| {case.name} | {case.steps} | {diff:.2e} | {where} | {bound} |")
         if case.resume_and_save:
             resumed, _ = max_abs_difference(result["resumed"], result["params"])

@@ -57,6 +57,13 @@ def test_arguments_that_would_rebuild_or_rewrap_the_model_are_refused(tmp_path: 
         trainer(tmp_path, auto_find_batch_size=True)
 
 
+def test_torch_compile_is_said_to_have_no_effect(tmp_path: Path) -> None:
+    from zerodp.errors import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match="torch_compile=True\\) has no effect"):
+        trainer(tmp_path, torch_compile=True)
+
+
 def test_refusals_at_train(tmp_path: Path) -> None:
     cases = [
         (

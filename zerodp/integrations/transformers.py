@@ -46,6 +46,7 @@ trainer_state.json, RNG state, checkpoint rotation) is the Trainer's own.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
     ) from _error
 
 import zerodp
-from zerodp.errors import CheckpointError, ConfigError, UsageError
+from zerodp.errors import CheckpointError, ConfigError, ConfigWarning, UsageError
 from zerodp.integrations.trainer_config import TrainerValues, read_config, trainer_config
 from zerodp.integrations.trainer_views import EngineOptimizer, EngineScheduler
 
@@ -127,6 +128,13 @@ class ZeroDPTrainer(Trainer):
             raise UsageError(
                 f"this process sees {self.args.n_gpu} GPUs and the Trainer would use "
                 "nn.DataParallel; launch one process per GPU with torchrun instead"
+            )
+        if getattr(self.args, "torch_compile", False) and self.args.process_index == 0:
+            warnings.warn(
+                "ZeroDPTrainer: TrainingArguments(torch_compile=True) has no effect (Accelerate "
+                "compiles the models it prepares, and zerodp's is not one of them)",
+                ConfigWarning,
+                stacklevel=2,
             )
         # What the user passed as optimizers=(...): handed to zerodp at train().
         self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
