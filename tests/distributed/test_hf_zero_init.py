@@ -19,7 +19,7 @@ from torch import nn
 
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
-from tests.hf_models import BUILDERS, batch
+from tests.hf_architectures import BUILDERS, batch
 from zerodp.testing import ReferenceDP
 
 CONFIG = zerodp_config(
