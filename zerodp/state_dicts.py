@@ -40,7 +40,9 @@ def full_state_dict(
     """The module's full state dict, gathered group by group (a collective at stage 3).
 
     With `rank0_only`, ranks other than 0 gather (they must take part) but
-    return an empty dict, so only rank 0 holds the full copy in memory.
+    return an empty dict, so only rank 0 holds the full copy in memory. Tied
+    parameters are one tensor under each of their names (as in `module.state_dict()`),
+    so `save_pretrained` writes them once.
     """
     manager = manager_of_module(module)
     keep = not rank0_only or manager is None or manager.global_rank == 0
@@ -56,8 +58,9 @@ def full_state_dict(
     result: dict[str, Any] = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
-            gathered = values.get(id(value))
-            result[key] = gathered if gathered is not None else value.detach().to(device).clone()
+            if id(value) not in values:  # a tied tensor is one tensor under each of its names
+                values[id(value)] = value.detach().to(device).clone()
+            result[key] = values[id(value)]
         else:
             result[key] = value
     return result

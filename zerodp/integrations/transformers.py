@@ -93,7 +93,7 @@ if _missing:  # pragma: no cover - depends on the installed transformers
         "(see pyproject.toml)"
     )
 
-__all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer", "tie_shared_entries"]
+__all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer"]
 
 # Schedulers the Trainer steps with a metric after evaluation; the engine steps without one.
 _METRIC_SCHEDULERS = frozenset({"reduce_lr_on_plateau", "greedy"})
@@ -378,21 +378,7 @@ class ZeroDPTrainer(Trainer):
         """
         engine = self._require_engine()
         state_dict = engine.state_dict(rank0_only=not self.args.save_on_each_node)
-        self._save(output_dir, state_dict=tie_shared_entries(state_dict, self._module()))
-
-
-def tie_shared_entries(state_dict: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """One tensor object for all names of a shared parameter, as `model.state_dict()` has.
-
-    `save_pretrained` finds tied weights by storage and writes them once;
-    `engine.state_dict()` copies each name separately at stages 0-2.
-    """
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        kept = first.setdefault(id(param), name)
-        if kept != name and kept in state_dict and name in state_dict:
-            state_dict[name] = state_dict[kept]
-    return state_dict
+        self._save(output_dir, state_dict=state_dict)  # tied names share one tensor
 
 
 def _name(choice: Any) -> str:

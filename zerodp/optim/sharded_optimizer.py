@@ -25,7 +25,7 @@ from zerodp.group import GroupState
 from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm, scale_grads
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
 from zerodp.precision.loss_scaler import LossScaler
-from zerodp.torch_internals import init_optimizer_hook_dicts
+from zerodp.torch_internals import init_optimizer_hook_dicts, mark_optimizer_stepped
 from zerodp.train_state import TrainState
 
 
@@ -177,6 +177,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._offload.step(self.inner, self._states)
         else:
             self.inner.step()
+        mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()
 
