@@ -144,7 +144,6 @@ class DeepSpeedEngineMethods:
                 dtype=self.precision.param_dtype,
                 exclude_frozen=exclude_frozen_parameters,
             )
-            self.comm.barrier()
             return True
         state = full_state_dict(self.module, rank0_only=True)
         if self.comm.rank == 0:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from zerodp.comm import current_rank, is_initialized
+from zerodp.comm import Comm, current_rank, is_initialized
 from zerodp.errors import CheckpointError
 from zerodp.gathered import GatheredParameters
 from zerodp.group import GroupState
@@ -136,6 +136,8 @@ def save_state_dict(
         total = sum(e.nbytes for e in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if is_initialized():
+        Comm().barrier()  # the files are complete when any rank returns
     return [f for f, _ in files]
 
 
