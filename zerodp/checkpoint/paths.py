@@ -140,6 +140,7 @@ on_commit_step: Callable[[str], None] = _no_fault
 COMMIT_STEPS = (
     "written",
     "swapped",
+    "displaced",
     "renamed",
     "latest_staged",
     "latest_replaced",
@@ -173,6 +174,7 @@ def commit(directory: Path, temp_name: str, tag: str) -> Path:
         else:
             displaced = directory / f"{TEMP_PREFIX}old.{temp_name.removeprefix(TEMP_PREFIX)}"
             final.rename(displaced)
+            _step("displaced")  # `tag` is missing now: resolve_tag finds the new copy
             temp.rename(final)
             temp = displaced
             _step("renamed")
