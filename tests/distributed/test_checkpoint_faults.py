@@ -486,6 +486,7 @@ def test_every_check_runs_before_anything_changes(pools, tmp_path) -> None:
         "betas": (lambda s: s["optimizer"]["param_groups"][0].pop("betas"), "betas"),
         "loader": (lambda s: s["dataloader"].update(epoch=-1), "dataloader"),
         "scheduler": (lambda s: s["lr_scheduler"].update(last_epoch="x"), "last_epoch"),
+        "scale": (lambda s: s["loss_scaler"].update(scale=float("nan")), "'scale'"),
     }
     for name, (edit, expected) in edits.items():
         directory = tmp_path / name

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -315,6 +316,12 @@ def _check_json_pieces(
     if with_optimizer:
         subject.optimizer_settings.check_state_dict(shared.get("optimizer"))
         subject.loss_scaler.check_state_dict(shared.get("loss_scaler"))
+        scale = shared["loss_scaler"].get("scale")
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise CheckpointError(
+                f"checkpoint loss_scaler 'scale' is {scale!r}, not a positive finite number; "
+                "the checkpoint's zerodp_state.json is damaged"
+            )
     scheduler_state = shared.get("lr_scheduler")
     check = getattr(subject.lr_scheduler, "check_state_dict", None)
     if with_scheduler and scheduler_state is not None and check is not None:
