@@ -170,7 +170,9 @@ def assemble(
         )
     else:
         params = ResidentParams(groups, comm, publish_after_step=strategy.gathers_params_after_step)
-    gate = StepGate(lifecycle, reducer, release_gathered=params.release_all)
+    gate = StepGate(
+        lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
+    )
     handles = _connect(module, groups, lifecycle, reducer, params, gate, policy, callbacks)
 
     train_state = TrainState()

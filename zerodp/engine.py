@@ -35,8 +35,10 @@ from zerodp.engine_compat import (
 )
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
+from zerodp.monitor.events import NON_FINITE_STEPS
 from zerodp.monitor.memory import ModelStateBytes, model_state_bytes
 from zerodp.monitor.training import BoundaryRecord
+from zerodp.startup_checks import check_ranks_agree
 
 logger = logging.getLogger("zerodp")
 
@@ -69,8 +71,10 @@ class ZeroEngine(DeepSpeedEngineMethods):
         training_data: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        ensure_process_group()
+        ensure_process_group(config.comms_timeout_s)
         managed.refuse_managed(module)
+        comm = Comm()
+        check_ranks_agree(comm, config, module)  # one small collective, before any other
         self.config = config
         self.module = module
         self._destroyed = False
@@ -79,7 +83,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         parts = assemble(
             module,
             config,
-            comm=Comm(),
+            comm=comm,
             device=default_device(),
             callbacks=EngineCallbacks(
                 on_forward_start=self._on_forward_start,
@@ -147,6 +151,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (stage 3 gathers each module's parameters as it runs)."""
+        self.gate.ensure_no_stale_backward("engine(...) (the forward)")
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -162,6 +167,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         that its loss is scaled already, however often (or never) it is run.
         `retain_graph` is accepted for DeepSpeed's signature; zerodp needs no hint.
         """
+        self.gate.ensure_no_stale_backward("engine.scale()")
         check_loss(loss, "engine.scale()")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         factor = self.optimizer.loss_scaler.scale / gas
@@ -193,7 +199,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         DeepSpeed's signature. At an eigenvalue boundary the graph is kept for the
         estimate `step()` makes.
         """
-        self.ensure_no_stale_backward()
+        self.gate.ensure_no_stale_backward("engine.backward()")
         unknown = sorted(set(kwargs) - _TORCH_BACKWARD_KWARGS - {"gradient"})
         if unknown or "gradient" in kwargs:
             raise UsageError(
@@ -237,14 +243,15 @@ class ZeroEngine(DeepSpeedEngineMethods):
         boundary step follows DeepSpeed; within an accumulation window,
         gradients add up across every backward until then, as in PyTorch.
         """
-        self.gate.check_can_step()
         state = self.train_state
+        if self.is_gradient_accumulation_boundary() and self._no_sync_depth > 0:
+            self.gate.ensure_no_stale_backward("engine.step()")
+            raise LifecycleError(
+                "step() at an accumulation boundary inside engine.no_sync(): the "
+                "gradients were kept local on purpose; leave the no_sync() block first"
+            )
+        self.gate.check_can_step()
         if self.is_gradient_accumulation_boundary():
-            if self._no_sync_depth > 0:
-                raise LifecycleError(
-                    "step() at an accumulation boundary inside engine.no_sync(): the "
-                    "gradients were kept local on purpose; leave the no_sync() block first"
-                )
             self.gate.warn_if_nothing_to_apply()
             extra = []
             if self.eigenvalue is not None:
@@ -262,8 +269,11 @@ class ZeroEngine(DeepSpeedEngineMethods):
         state.micro_steps += 1
 
     def _boundary_record(self, extra: list[tuple[str, float, int]]) -> BoundaryRecord:
+        samples, non_finite = self.global_samples, self.gate.non_finite_steps
+        if non_finite:  # counted once the first one happens (on_non_finite)
+            extra = [*extra, (NON_FINITE_STEPS, float(non_finite), samples)]
         return BoundaryRecord(
-            global_samples=self.global_samples,
+            global_samples=samples,
             lr=self.get_lr()[0],
             loss_scale=self.loss_scale,
             grad_norm=self.get_global_grad_norm(),
@@ -401,21 +411,27 @@ class ZeroEngine(DeepSpeedEngineMethods):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        *,
+        verify_checksums: bool = True,
     ) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any stage and world size; returns (path, client_state).
 
-        Everything is checked (on every rank, agreed) before anything is changed.
-        With no tag and no `latest` file in `load_dir` (nothing saved yet), nothing is
-        loaded and (None, None) is returned, as in DeepSpeed.
+        Everything is checked (on every rank, agreed) before anything is changed,
+        including every file's checksum (`verify_checksums=False` skips that, for
+        trusted storage). With no tag and no `latest` file in `load_dir` (nothing
+        saved yet), nothing is loaded and (None, None) is returned, as in DeepSpeed.
         """
-        return load_checkpoint(
+        result = load_checkpoint(
             self._checkpoint_subject(),
             load_dir,
             tag=tag,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            verify_checksums=verify_checksums,
         )
+        self.gate.on_load()
+        return result
 
     def _checkpoint_subject(self) -> CheckpointSubject:
         def after_load() -> None:
@@ -437,6 +453,11 @@ class ZeroEngine(DeepSpeedEngineMethods):
             dataloader=self.training_dataloader,
             check_idle=lambda: self.gate.check_outside_backward("a checkpoint save or load"),
             after_load=after_load,
+            accumulation_steps=self.gradient_accumulation_steps(),
+            local_accumulation=self.strategy.reduction.defer_to_boundary,
+            loss_scale=lambda: self.optimizer.loss_scaler.scale,
+            gradients_held=self.gate.gradients_held,
+            gradients_loaded=self.gate.on_gradients_loaded,
         )
 
     # -- inspection --------------------------------------------------------------------
@@ -460,6 +481,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         if self._destroyed:
             return
         self.ensure_no_stale_backward()
+        self.gate.warn_if_pending_non_finite()  # the last step's norm, not read yet
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -471,4 +493,5 @@ class ZeroEngine(DeepSpeedEngineMethods):
         if self._offload_storage is not None:
             self._offload_storage.close()  # NVMe files are private to the run: removed
         self.reducer.states = []
+        self.gate.close()
         self._destroyed = True

@@ -53,6 +53,14 @@ class LossScaleError(ZeroDPError):
     """fp16 gradients still overflow at the minimum loss scale."""
 
 
+class NonFiniteError(ZeroDPError, ArithmeticError):
+    """A step's gradient norm is inf or NaN and the config says `"on_non_finite": "raise"`."""
+
+
+class CollectiveError(ZeroDPError):
+    """A collective failed or timed out; the message names it and this rank's recent ones."""
+
+
 class AgreedError(ZeroDPError):
     """Another rank failed a check that every rank agreed on; the message quotes it."""
 
@@ -70,6 +78,7 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
         CheckpointPathError,
         CheckpointStorageError,
         LossScaleError,
+        NonFiniteError,
         ValueError,
         TypeError,
         KeyError,

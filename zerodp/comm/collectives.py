@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.errors import AGREED_TYPES, AgreedError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -60,15 +61,28 @@ class CommStats:
 class Handle:
     """An in-flight collective; `wait()` blocks until its result may be read."""
 
-    __slots__ = ("_work",)
+    __slots__ = ("_history", "_record", "_work")
 
     def __init__(self, work: Any = None) -> None:
         self._work = work
+        self._record: CollectiveRecord | None = None
+        self._history: CollectiveHistory | None = None
+
+    def track(self, record: CollectiveRecord, history: CollectiveHistory) -> None:
+        """Name the collective in a failure of `wait()` (see `zerodp.comm.history`)."""
+        self._record, self._history = record, history
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                if self._history is None or self._record is None:
+                    raise
+                raise self._history.failed(self._record, error) from error
             self._work = None
+            if self._history is not None and self._record is not None:
+                self._history.finish(self._record)
 
     @property
     def done(self) -> bool:
@@ -86,9 +100,11 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        self.history = CollectiveHistory(self.rank)  # for errors that name the collective
 
     # -- tensors -----------------------------------------------------------------
 
+    @recorded("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
@@ -97,6 +113,7 @@ class Comm:
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         return Handle(work) if async_op else _DONE
 
+    @recorded("reduce_scatter")
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Handle:
@@ -117,6 +134,7 @@ class Comm:
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
         return Handle(work) if async_op else _DONE
 
+    @recorded("all_gather")
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Handle:
@@ -134,6 +152,7 @@ class Comm:
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return Handle(work) if async_op else _DONE
 
+    @recorded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
@@ -165,6 +184,7 @@ class Comm:
             raise agreed from error
         raise agreed
 
+    @recorded("all_gather_object")
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
@@ -172,6 +192,7 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    @recorded("broadcast_object")
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.world_size == 1:
             return obj
@@ -180,6 +201,7 @@ class Comm:
         dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]
 
+    @recorded("barrier")
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

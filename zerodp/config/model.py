@@ -177,6 +177,11 @@ class ZeroDPConfig(Section):
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
+    # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
+    comms_timeout_s: PosFloat | None = None  # None: $ZERODP_COMMS_TIMEOUT_S, else torch's default
+    on_non_finite: Annotated[
+        Literal["warn", "skip", "raise"], choice(("warn", "skip", "raise"))
+    ] = "warn"
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> ZeroDPConfig:

@@ -172,6 +172,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._train_state.skipped_steps += 1
                 self._drop_grads()
                 return
+        elif self._skip_non_finite(norm):  # fp32/bf16: the config's on_non_finite policy
+            self.last_step_skipped = True
+            self._drop_grads()
+            return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
         if self._offload is not None:
             self._offload.step(self.inner, self._states)
@@ -180,6 +184,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()
+
+    def _skip_non_finite(self, norm: torch.Tensor) -> bool:
+        try:
+            return self._gate.skip_non_finite(norm, self._train_state.global_steps)
+        except BaseException:  # raised before anything changed; leave no .grad behind
+            self._drop_grads()
+            raise
 
     @torch.no_grad()
     def sync_params_from_owned(self) -> None:
