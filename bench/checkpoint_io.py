@@ -3,15 +3,21 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/checkpoint_io.py
 
 Each stage trains the small benchmark GPT for one step (so optimizer state
-exists), saves a checkpoint (timed from a barrier to the end of the call on
-every rank), then loads it into a fresh engine (timed likewise). Bytes are
-the checkpoint directory's total size on disk.
+exists), then, in each repeat, saves a checkpoint with checksums and one
+without computing them (the baseline), and loads it into a second engine
+with verification and without (`verify_checksums=False`), each timed from
+a barrier to the end of the call on every rank. The ratios (`save x`,
+`load x`: of the medians; `min x`: of the fastest repeats, the steadier on
+a busy machine) are the cost of checksumming and verifying. Bytes are the
+checkpoint directory's total size on disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -25,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zerodp
 from examples.gpt import GPT, GPTConfig
+from zerodp.checkpoint import checksums
+from zerodp.checkpoint.safe_metadata import read_metadata
 from zerodp.comm import destroy_process_group_if_owned, ensure_process_group
 
 SMALL = GPTConfig(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, d_model=256)
@@ -52,25 +60,63 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
     return time.perf_counter() - start
 
 
-def measure(stage: int, dtype: str, root: Path) -> tuple[float, float, int]:
+@contextlib.contextmanager
+def _no_hashing():
+    """Saves that skip computing checksums (the files are not read back): the baseline."""
+    originals = checksums.data_file_entry, checksums.small_file_entry
+    checksums.data_file_entry = lambda file, chunks: {"size": 0, "chunks": []}
+    checksums.small_file_entry = lambda file: {"size": 0, "hash": 0}
+    try:
+        yield
+    finally:
+        checksums.data_file_entry, checksums.small_file_entry = originals
+
+
+def _verify_only(checkpoint: Path) -> None:
+    """The checksum pass of a load alone: this rank's share of the data files, hashed."""
+    files = checksums.read_manifest(checkpoint)
+    if files is None:
+        raise RuntimeError(f"{checkpoint} has no checksums")
+    chunks = checksums.chunks_by_file(read_metadata(checkpoint))
+    for name in checksums.my_share(chunks, dist.get_rank(), dist.get_world_size()):
+        checksums.check_data_file(checkpoint, name, chunks[name], files)
+
+
+def measure(stage: int, dtype: str, root: Path, repeats: int) -> dict[str, float]:
+    """Median seconds of: save with checksums, save without, load verified, load unverified;
+    the four are interleaved in each repeat, so machine noise hits them alike."""
     engine, model = _engine(stage, dtype)
     tokens = torch.randint(0, SMALL.vocab_size, (8, SMALL.seq_len + 1))
     engine.backward(model.loss(tokens[:, :-1], tokens[:, 1:]))
     engine.step()
     directory = root / f"stage{stage}"
-    save_s = _timed(lambda: engine.save_checkpoint(directory, tag="bench"))
+    loader, _ = _engine(stage, dtype)
+    kinds = ("save", "save_plain", "load", "load_plain", "verify")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(repeats):
+        times["save"].append(_timed(lambda: engine.save_checkpoint(directory, tag="bench")))
+        with _no_hashing():
+            times["save_plain"].append(
+                _timed(lambda: engine.save_checkpoint(directory, tag="plain"))
+            )
+        times["load"].append(_timed(lambda: loader.load_checkpoint(directory, tag="bench")))
+        times["load_plain"].append(
+            _timed(lambda: loader.load_checkpoint(directory, tag="bench", verify_checksums=False))
+        )
+        times["verify"].append(_timed(lambda: _verify_only(directory / "bench")))
     engine.destroy()
-    engine, model = _engine(stage, dtype)
-    load_s = _timed(lambda: engine.load_checkpoint(directory))
-    engine.destroy()
-    size = sum(f.stat().st_size for f in (directory / "bench").rglob("*") if f.is_file())
-    return save_s, load_s, size
+    loader.destroy()
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"{k}_min": min(v) for k, v in times.items()})
+    out["bytes"] = sum(f.stat().st_size for f in (directory / "bench").rglob("*") if f.is_file())
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats per stage")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -81,15 +127,32 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     params = GPT(SMALL).num_params()
-    rows = [(stage, *measure(stage, args.dtype, root)) for stage in range(4)]
+    rows = [(stage, measure(stage, args.dtype, root, args.repeats)) for stage in range(4)]
     if rank == 0:
         print(
             f"checkpoint save/load, small GPT ({params / 1e6:.2f}M params, {args.dtype}), "
-            f"world size {dist.get_world_size()}, torch {torch.__version__}"
+            f"world size {dist.get_world_size()}, torch {torch.__version__}, median of "
+            f"{args.repeats} interleaved repeats"
         )
-        print(f"{'stage':>5}  {'save s':>7}  {'load s':>7}  {'MiB':>7}")
-        for stage, save_s, load_s, size in rows:
-            print(f"{stage:>5}  {save_s:7.2f}  {load_s:7.2f}  {size / 2**20:7.1f}")
+        print(
+            f"{'stage':>5}  {'save s':>7}  {'no-hash s':>9}  {'save x':>6}  {'min x':>6}  "
+            f"{'load s':>7}  {'no-verify s':>11}  {'load x':>6}  {'min x':>6}  "
+            f"{'verify s':>8}  {'verify %':>8}  {'MiB':>6}"
+        )
+        for stage, m in rows:
+            print(
+                f"{stage:>5}  {m['save']:7.3f}  {m['save_plain']:9.3f}  "
+                f"{m['save'] / m['save_plain']:6.3f}  "
+                f"{m['save_min'] / m['save_plain_min']:6.3f}  {m['load']:7.3f}  "
+                f"{m['load_plain']:11.3f}  {m['load'] / m['load_plain']:6.3f}  "
+                f"{m['load_min'] / m['load_plain_min']:6.3f}  {m['verify']:8.3f}  "
+                f"{100 * m['verify'] / m['load_plain']:7.1f}%  {m['bytes'] / 2**20:6.1f}"
+            )
+        print(
+            "x: with checksums / without, medians; min x: the same for the fastest repeats; "
+            "verify s: the checksum pass alone (each rank its share); verify %: of an "
+            "unverified load"
+        )
         shutil.rmtree(root, ignore_errors=True)
     destroy_process_group_if_owned()
     return 0

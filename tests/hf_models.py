@@ -1,106 +1,93 @@
-"""Tiny Hugging Face models of many families, built from config objects (no downloads).
+"""Tiny Hugging Face models and locally generated data for the integration tests.
 
-Each entry builds a model with its family's usual `pad_token_id` (which makes
-transformers zero the padding row of the embedding in `_init_weights`, the view
-that used to crash `zero.Init`) and makes a small batch for it, different on
-every rank and step.
+Shared by the Trainer, Lightning and Accelerate tests (importable by the worker
+processes). The model is a 2-layer Llama built from a config (no download) with
+tied input and output embeddings, so saving has a tied weight to write once;
+its matrices are above the "auto" stage 3 persistence threshold (10 x hidden
+size) and its norms below it, so stage 3 shards some parameters and keeps
+others whole. The data are token ids drawn per index from a seeded generator:
+every process builds the same dataset, and the samplers give each rank its part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
-import transformers as hf
-from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
-VOCAB = 97
-_DECODER = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-}
-_SEQ2SEQ = {
-    "vocab_size": VOCAB,
-    "d_model": 32,
-    "encoder_layers": 2,
-    "decoder_layers": 2,
-    "encoder_attention_heads": 4,
-    "decoder_attention_heads": 4,
-    "encoder_ffn_dim": 64,
-    "decoder_ffn_dim": 64,
-}
+VOCAB = 96
+SEQ_LEN = 16
+HIDDEN = 32
+NUM_SAMPLES = 64
 
 
-def _gpt2() -> nn.Module:
-    config = hf.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    return hf.GPT2LMHeadModel(config)
+def build_llama(seed: int = 0) -> LlamaForCausalLM:
+    """The same random tiny Llama on every call with the same seed."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+    return LlamaForCausalLM(config)
 
 
-def _t5() -> nn.Module:
-    config = hf.T5Config(
-        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        pad_token_id=0, decoder_start_token_id=0,
-    )  # fmt: skip
-    return hf.T5ForConditionalGeneration(config)
+class TokenDataset(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """`NUM_SAMPLES` rows of random token ids; `labels` are the ids (the model shifts them)."""
+
+    def __init__(self, num_samples: int = NUM_SAMPLES) -> None:
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 + index)
+        ids = torch.randint(3, VOCAB, (SEQ_LEN,), generator=generator)
+        return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _vit() -> nn.Module:
-    config = hf.ViTConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        image_size=16, patch_size=4, num_labels=3,
-    )  # fmt: skip
-    return hf.ViTForImageClassification(config)
+def probe_tokens() -> torch.Tensor:
+    """A fixed batch to compare logits on."""
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(3, VOCAB, (2, SEQ_LEN), generator=generator)
 
 
-def _whisper() -> nn.Module:
-    config = hf.WhisperConfig(
-        **_SEQ2SEQ, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
-        pad_token_id=0, decoder_start_token_id=1,
-    )  # fmt: skip
-    return hf.WhisperForConditionalGeneration(config)
+def max_abs_difference(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> tuple[float, str]:
+    """The largest elementwise difference over the shared names, and where it is."""
+    if set(actual) != set(expected):
+        raise AssertionError(f"names differ: {sorted(set(actual) ^ set(expected))}")
+    worst, where = 0.0, ""
+    for name, value in actual.items():
+        diff = (value.float() - expected[name].float()).abs().max().item()
+        if diff > worst or not where:
+            worst, where = diff, name
+    return worst, where
 
 
-BUILDERS: dict[str, Callable[[], nn.Module]] = {
-    "gpt2": _gpt2,
-    "llama": lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**_DECODER, num_key_value_heads=2)),
-    "mistral": lambda: hf.MistralForCausalLM(hf.MistralConfig(**_DECODER, num_key_value_heads=2)),
-    "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**_DECODER, num_key_value_heads=2)),
-    "gemma": lambda: hf.GemmaForCausalLM(
-        hf.GemmaConfig(**_DECODER, num_key_value_heads=2, head_dim=8)
-    ),
-    "phi": lambda: hf.PhiForCausalLM(hf.PhiConfig(**_DECODER)),
-    "bert": lambda: hf.BertForMaskedLM(hf.BertConfig(**_DECODER)),
-    "roberta": lambda: hf.RobertaForMaskedLM(hf.RobertaConfig(**{**_DECODER, "pad_token_id": 1})),
-    "t5": _t5,
-    "bart": lambda: hf.BartForConditionalGeneration(
-        hf.BartConfig(**_SEQ2SEQ, max_position_embeddings=64, pad_token_id=1)
-    ),
-    "vit": _vit,
-    "whisper": _whisper,
-}
+def fraction_above(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], threshold: float
+) -> float:
+    """The fraction of all elements that differ by more than `threshold`."""
+    above, total = 0, 0
+    for name, value in actual.items():
+        diff = (value.float() - expected[name].float()).abs()
+        above += int((diff > threshold).sum())
+        total += diff.numel()
+    return above / max(total, 1)
 
 
-def batch(name: str, rank: int, step: int) -> dict[str, Any]:
-    """Inputs with labels for one micro-batch (2 samples), different per rank and step."""
-    generator = torch.Generator().manual_seed(5000 + 100 * rank + step)
-    if name == "vit":
-        return {
-            "pixel_values": torch.randn(2, 3, 16, 16, generator=generator),
-            "labels": torch.randint(0, 3, (2,), generator=generator),
-        }
-    if name == "whisper":
-        return {
-            "input_features": torch.randn(2, 8, 32, generator=generator),
-            "labels": torch.randint(3, VOCAB, (2, 6), generator=generator),
-        }
-    tokens = torch.randint(3, VOCAB, (2, 8), generator=generator)
-    return {"input_ids": tokens, "labels": tokens.clone()}
+def detached(named: Any) -> dict[str, torch.Tensor]:
+    """name -> a float32 CPU copy, from named_parameters() or a state dict's items()."""
+    return {name: value.detach().float().cpu().clone() for name, value in named}

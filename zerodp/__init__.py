@@ -17,15 +17,18 @@ from zerodp.errors import (
     CheckpointError,
     CheckpointPathError,
     CheckpointStorageError,
+    CollectiveError,
     ConfigError,
     ConfigWarning,
     DivergenceError,
     LifecycleError,
     LossScaleError,
+    NonFiniteError,
     ParamStateError,
     UsageError,
     ZeroDPError,
 )
+from zerodp.startup_checks import RankMismatchError
 
 __version__ = "0.1.0"
 
@@ -34,13 +37,16 @@ __all__ = [
     "CheckpointError",
     "CheckpointPathError",
     "CheckpointStorageError",
+    "CollectiveError",
     "ConfigError",
     "ConfigWarning",
     "DivergenceError",
     "GradientState",
     "LifecycleError",
     "LossScaleError",
+    "NonFiniteError",
     "ParamStateError",
+    "RankMismatchError",
     "UsageError",
     "ZeroDPConfig",
     "ZeroDPError",
@@ -101,7 +107,7 @@ def initialize(
     )
     resolved = load_config(config, world_size=world_size, hints=hints, rank=rank)
     training_data, collate_fn = _unwrap_loader(training_data, collate_fn)
-    ensure_process_group()
+    ensure_process_group(resolved.comms_timeout_s)
     engine = ZeroEngine(
         module=model,
         config=resolved,

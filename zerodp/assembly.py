@@ -33,11 +33,26 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
-from zerodp.group import GatherState, GroupIndex, GroupState, KeptGradient, OptimizerParam
+from zerodp.group import (
+    GatherState,
+    GroupIndex,
+    GroupState,
+    HostBuffers,
+    KeptGradient,
+    OptimizerParam,
+)
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
 from zerodp.monitor.sinks import Monitor
 from zerodp.monitor.training import TrainingReporter
+from zerodp.offload import OffloadPolicy, OffloadStorage
+from zerodp.offload.setup import (
+    add_model_staging,
+    check_offload_storage,
+    optimizer_copies,
+    place_param_shards,
+)
 from zerodp.optim.factory import build_optimizer
+from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
@@ -77,6 +92,8 @@ class EngineParts:
     eigenvalue: EigenvalueMonitor | None
     training_dataloader: ZeroDataLoader | None
     handles: list[RemovableHandle]
+    offload: OffloadPolicy
+    offload_storage: OffloadStorage | None
 
 
 @dataclass(frozen=True)
@@ -109,8 +126,22 @@ def assemble(
 
     layout = _lay_out(module, config, comm, device, strategy, specs)
     _sync_from_rank0(module, layout, comm, device)
-    copies = _optimizer_copies(layout) if policy.mixed else {}
+    offload = OffloadPolicy.from_config(zero, device)
+    storage = None
+    if offload.offloads_optimizer or offload.offloads_params:
+        check_offload_storage(layout.groups, offload, comm)
+        storage = OffloadStorage(offload, comm.rank)
+    copies = optimizer_copies(
+        layout.groups,
+        mixed=policy.mixed,
+        kept_dtype=policy.grad_storage_dtype,
+        policy=offload,
+        storage=storage,
+    )
     _cast_model(module, layout, policy.param_dtype)
+    add_model_staging(copies, policy.param_dtype, storage)
+    if offload.offloads_params and storage is not None:
+        place_param_shards(layout.groups, offload, storage)
     groups = GroupIndex(
         [
             _group_state(flat, order, strategy, policy, comm, copies.get(order))
@@ -144,11 +175,13 @@ def assemble(
         )
     else:
         params = ResidentParams(groups, comm, publish_after_step=strategy.gathers_params_after_step)
-    gate = StepGate(lifecycle, reducer, release_gathered=params.release_all)
+    gate = StepGate(
+        lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
+    )
     handles = _connect(module, groups, lifecycle, reducer, params, gate, policy, callbacks)
 
     train_state = TrainState()
-    inner = _torch_optimizer(groups, specs, user_optimizer, config)
+    inner = _torch_optimizer(groups, specs, user_optimizer, config, host_step=offload)
     optimizer = ZeroOptimizer(
         inner,
         reducer=reducer,
@@ -161,6 +194,12 @@ def assemble(
         gate=gate,
         train_state=train_state,
         loss_scaler=loss_scaler_from_config(config.fp16),
+        offload=(
+            OffloadedSteps(offload, storage)
+            if storage is not None and offload.offloads_optimizer
+            else None
+        ),
+        device=device,
     )
     return EngineParts(
         comm=comm,
@@ -195,6 +234,8 @@ def assemble(
         ),
         training_dataloader=_data_loader(training_data, collate_fn, config, comm),
         handles=handles,
+        offload=offload,
+        offload_storage=storage,
     )
 
 
@@ -250,15 +291,6 @@ def _sync_from_rank0(
         group.take_shard_from_full()
 
 
-def _optimizer_copies(layout: ModelLayout) -> dict[int, torch.Tensor]:
-    """fp32 copies of each trainable group's owned range, taken before the model is cast."""
-    return {
-        order: flat.owned.detach().to(torch.float32).clone()
-        for order, flat in enumerate(layout.groups)
-        if flat.trainable
-    }
-
-
 def _cast_model(module: nn.Module, layout: ModelLayout, dtype: torch.dtype) -> None:
     """The model in its training dtype: flat groups, loose parameters and float buffers."""
     if dtype == torch.float32:
@@ -278,7 +310,7 @@ def _group_state(
     strategy: StageStrategy,
     policy: PrecisionPolicy,
     comm: Comm,
-    copy: torch.Tensor | None,
+    copy: tuple[torch.Tensor, HostBuffers | None] | None,
 ) -> GroupState:
     state = GroupState(flat, order)
     if flat.trainable:
@@ -289,7 +321,9 @@ def _group_state(
             dtype=policy.grad_storage_dtype,
             sync=plan.initial_sync,
         )
-        state.optim = OptimizerParam(flat, copy)
+        state.optim = OptimizerParam(
+            flat, None if copy is None else copy[0], host=None if copy is None else copy[1]
+        )
     if not flat.persistent:
         state.gather = GatherState(flat, comm)
     return state
@@ -341,14 +375,20 @@ def _connect(
 
 
 def _torch_optimizer(
-    groups: GroupIndex, specs: list[ParamGroupSpec], user_optimizer: Any, config: ZeroDPConfig
+    groups: GroupIndex,
+    specs: list[ParamGroupSpec],
+    user_optimizer: Any,
+    config: ZeroDPConfig,
+    host_step: OffloadPolicy,
 ) -> torch.optim.Optimizer:
     """The torch optimizer, on each trainable group's optimizer parameter."""
     param_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
     for state in groups.trainable:
         if state.optim is not None:
             param_groups[state.flat.param_group_index]["params"].append(state.optim.param)
-    return build_optimizer(user_optimizer, config.optimizer, param_groups)
+    return build_optimizer(
+        user_optimizer, config.optimizer, param_groups, prefer_fused=host_step.offloads_optimizer
+    )
 
 
 def _scheduler(

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from zerodp.errors import UsageError
+
 
 class ZeroDataLoader:
     """Iterates one epoch per `iter()`; `state_dict()` says where it is, for exact resume.
@@ -29,6 +31,7 @@ class ZeroDataLoader:
         seed: int,
         shuffle: bool = True,
     ) -> None:
+        _check_size(dataset, micro_batch_size, world_size)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
             dataset,
             num_replicas=world_size,
@@ -70,3 +73,26 @@ class ZeroDataLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
+
+
+def _check_size(dataset: Any, micro_batch_size: int, world_size: int) -> None:
+    """A data set that cannot fill one micro-batch on every rank is refused at initialize
+    (it would yield nothing, or one short batch, and `while global_steps < N` never ends)."""
+    try:
+        size = len(dataset)
+    except TypeError:
+        return  # an iterable data set: its length is unknown
+    needed = micro_batch_size * world_size
+    if size == 0:
+        raise UsageError(
+            "training_data is empty (0 samples); pass a data set with at least "
+            f"{needed} samples (train_micro_batch_size_per_gpu {micro_batch_size} x world "
+            f"size {world_size})"
+        )
+    if size < needed:
+        raise UsageError(
+            f"training_data has {size} samples, fewer than one micro-batch on every rank "
+            f"(train_micro_batch_size_per_gpu {micro_batch_size} x world size {world_size} = "
+            f"{needed}); lower train_micro_batch_size_per_gpu to at most "
+            f"{max(1, size // world_size)}, or pass more data"
+        )

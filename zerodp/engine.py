@@ -27,16 +27,18 @@ from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
-from zerodp.engine_compat import DeepSpeedEngineMethods, ZeroGradRoute, check_loss
+from zerodp.engine_compat import (
+    DeepSpeedEngineMethods,
+    ZeroGradRoute,
+    check_loss,
+    model_state_tensors,
+)
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
-from zerodp.monitor.memory import (
-    ModelStateBytes,
-    ModelStateTensors,
-    model_state_bytes,
-    optimizer_state_tensors,
-)
+from zerodp.monitor.events import NON_FINITE_STEPS
+from zerodp.monitor.memory import ModelStateBytes, model_state_bytes
 from zerodp.monitor.training import BoundaryRecord
+from zerodp.startup_checks import check_ranks_agree
 
 logger = logging.getLogger("zerodp")
 
@@ -69,8 +71,10 @@ class ZeroEngine(DeepSpeedEngineMethods):
         training_data: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
-        ensure_process_group()
+        ensure_process_group(config.comms_timeout_s)
         managed.refuse_managed(module)
+        comm = Comm()
+        check_ranks_agree(comm, config, module)  # one small collective, before any other
         self.config = config
         self.module = module
         self._destroyed = False
@@ -79,7 +83,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         parts = assemble(
             module,
             config,
-            comm=Comm(),
+            comm=comm,
             device=default_device(),
             callbacks=EngineCallbacks(
                 on_forward_start=self._on_forward_start,
@@ -108,6 +112,8 @@ class ZeroEngine(DeepSpeedEngineMethods):
         self.reporter = parts.reporter
         self.eigenvalue = parts.eigenvalue
         self.training_dataloader = parts.training_dataloader
+        self.offload = parts.offload
+        self._offload_storage = parts.offload_storage
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         self._guard = guards.ModuleGuard(module)
@@ -145,6 +151,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (stage 3 gathers each module's parameters as it runs)."""
+        self.gate.ensure_no_stale_backward("engine(...) (the forward)")
         return self.module(*args, **kwargs)
 
     forward = __call__
@@ -160,6 +167,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         that its loss is scaled already, however often (or never) it is run.
         `retain_graph` is accepted for DeepSpeed's signature; zerodp needs no hint.
         """
+        self.gate.ensure_no_stale_backward("engine.scale()")
         check_loss(loss, "engine.scale()")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         factor = self.optimizer.loss_scaler.scale / gas
@@ -191,7 +199,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         DeepSpeed's signature. At an eigenvalue boundary the graph is kept for the
         estimate `step()` makes.
         """
-        self.ensure_no_stale_backward()
+        self.gate.ensure_no_stale_backward("engine.backward()")
         unknown = sorted(set(kwargs) - _TORCH_BACKWARD_KWARGS - {"gradient"})
         if unknown or "gradient" in kwargs:
             raise UsageError(
@@ -235,14 +243,15 @@ class ZeroEngine(DeepSpeedEngineMethods):
         boundary step follows DeepSpeed; within an accumulation window,
         gradients add up across every backward until then, as in PyTorch.
         """
-        self.gate.check_can_step()
         state = self.train_state
+        if self.is_gradient_accumulation_boundary() and self._no_sync_depth > 0:
+            self.gate.ensure_no_stale_backward("engine.step()")
+            raise LifecycleError(
+                "step() at an accumulation boundary inside engine.no_sync(): the "
+                "gradients were kept local on purpose; leave the no_sync() block first"
+            )
+        self.gate.check_can_step()
         if self.is_gradient_accumulation_boundary():
-            if self._no_sync_depth > 0:
-                raise LifecycleError(
-                    "step() at an accumulation boundary inside engine.no_sync(): the "
-                    "gradients were kept local on purpose; leave the no_sync() block first"
-                )
             self.gate.warn_if_nothing_to_apply()
             extra = []
             if self.eigenvalue is not None:
@@ -260,8 +269,11 @@ class ZeroEngine(DeepSpeedEngineMethods):
         state.micro_steps += 1
 
     def _boundary_record(self, extra: list[tuple[str, float, int]]) -> BoundaryRecord:
+        samples, non_finite = self.global_samples, self.gate.non_finite_steps
+        if non_finite:  # counted once the first one happens (on_non_finite)
+            extra = [*extra, (NON_FINITE_STEPS, float(non_finite), samples)]
         return BoundaryRecord(
-            global_samples=self.global_samples,
+            global_samples=samples,
             lr=self.get_lr()[0],
             loss_scale=self.loss_scale,
             grad_norm=self.get_global_grad_norm(),
@@ -399,24 +411,31 @@ class ZeroEngine(DeepSpeedEngineMethods):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        *,
+        verify_checksums: bool = True,
     ) -> tuple[str | None, Any]:
         """Load a checkpoint saved at any stage and world size; returns (path, client_state).
 
-        Everything is checked (on every rank, agreed) before anything is changed.
-        With no tag and no `latest` file in `load_dir` (nothing saved yet), nothing is
-        loaded and (None, None) is returned, as in DeepSpeed.
+        Everything is checked (on every rank, agreed) before anything is changed,
+        including every file's checksum (`verify_checksums=False` skips that, for
+        trusted storage). With no tag and no `latest` file in `load_dir` (nothing
+        saved yet), nothing is loaded and (None, None) is returned, as in DeepSpeed.
         """
-        return load_checkpoint(
+        result = load_checkpoint(
             self._checkpoint_subject(),
             load_dir,
             tag=tag,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            verify_checksums=verify_checksums,
         )
+        self.gate.on_load()
+        return result
 
     def _checkpoint_subject(self) -> CheckpointSubject:
         def after_load() -> None:
+            self.optimizer.place_offloaded_state()
             self.optimizer.sync_params_from_owned()
             self.zero_grad()
 
@@ -434,24 +453,23 @@ class ZeroEngine(DeepSpeedEngineMethods):
             dataloader=self.training_dataloader,
             check_idle=lambda: self.gate.check_outside_backward("a checkpoint save or load"),
             after_load=after_load,
+            accumulation_steps=self.gradient_accumulation_steps(),
+            local_accumulation=self.strategy.reduction.defer_to_boundary,
+            loss_scale=lambda: self.optimizer.loss_scaler.scale,
+            gradients_held=self.gate.gradients_held,
+            gradients_loaded=self.gate.on_gradients_loaded,
         )
 
     # -- inspection --------------------------------------------------------------------
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes this rank holds in parameters, gradients and optimizer state."""
-        states = self.groups.states
-        loose = [p for p in self.module.parameters() if not self.groups.manages(p)]
-        kept = [s.grads.storage for s in states if s.grads is not None]
-        user_grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        copies = [s.optim.copy for s in states if s.optim is not None and s.optim.copy is not None]
-        return model_state_bytes(
-            ModelStateTensors(
-                params=[s.flat.full for s in states] + [s.flat.shard for s in states] + loose,
-                grads=kept + user_grads,
-                optimizer=optimizer_state_tensors(self.optimizer) + copies,
-            )
-        )
+        """Bytes this rank holds in parameters, gradients and optimizer state.
+
+        Split into device and host: with offload, the optimizer copies and state of
+        offloaded groups, their host gradient buffers and offloaded shards count as
+        host bytes (also on a CPU-only machine, where both are the same memory).
+        """
+        return model_state_bytes(model_state_tensors(self.module, self.groups, self.optimizer))
 
     def param_status(self, param: nn.Parameter) -> ParamStatus:
         """NOT_AVAILABLE, INFLIGHT or AVAILABLE (parameters zerodp does not shard: AVAILABLE)."""
@@ -463,6 +481,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         if self._destroyed:
             return
         self.ensure_no_stale_backward()
+        self.gate.warn_if_pending_non_finite()  # the last step's norm, not read yet
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -471,5 +490,8 @@ class ZeroEngine(DeepSpeedEngineMethods):
             param.grad = None
         managed.unregister(self.groups.params)
         self.reporter.close()
+        if self._offload_storage is not None:
+            self._offload_storage.close()  # NVMe files are private to the run: removed
         self.reducer.states = []
+        self.gate.close()
         self._destroyed = True

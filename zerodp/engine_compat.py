@@ -18,6 +18,8 @@ from torch import nn
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import UsageError
+from zerodp.group import GroupIndex
+from zerodp.monitor.memory import ModelStateTensors
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
@@ -142,7 +144,6 @@ class DeepSpeedEngineMethods:
                 dtype=self.precision.param_dtype,
                 exclude_frozen=exclude_frozen_parameters,
             )
-            self.comm.barrier()
             return True
         state = full_state_dict(self.module, rank0_only=True)
         if self.comm.rank == 0:
@@ -208,3 +209,44 @@ class DeepSpeedEngineMethods:
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(the model's training dtype, the dtype gradients are kept in)."""
         return self.precision.param_dtype, self.precision.grad_storage_dtype
+
+
+def model_state_tensors(
+    module: nn.Module, groups: GroupIndex, optimizer: torch.optim.Optimizer
+) -> ModelStateTensors:
+    """The tensors of model state an engine holds, by category and by side (device or host)."""
+    states = groups.states
+    loose = [p for p in module.parameters() if not groups.manages(p)]
+    on_host = {id(s.optim.param) for s in states if s.optim is not None and s.optim.offloaded}
+    device_state: list[torch.Tensor] = []
+    host_state: list[torch.Tensor] = []
+    for param, slots in optimizer.state.items():
+        tensors = [v for v in slots.values() if isinstance(v, torch.Tensor)]
+        (host_state if id(param) in on_host else device_state).extend(tensors)
+    copies: list[torch.Tensor] = []
+    host_copies: list[torch.Tensor] = []
+    host_grads: list[torch.Tensor] = []
+    for state in states:
+        optim = state.optim
+        if optim is None or optim.copy is None:
+            continue
+        if optim.host is None:
+            copies.append(optim.copy)
+            continue
+        host_copies.append(optim.copy)
+        host_grads += [
+            t
+            for t in (optim.host.grad, optim.host.grad_transfer, optim.host.model_staging)
+            if t is not None
+        ]
+    shards = [s.flat.shard for s in states if not s.flat.shard_offloaded]
+    host_shards = [s.flat.shard for s in states if s.flat.shard_offloaded]
+    return ModelStateTensors(
+        params=[s.flat.full for s in states] + shards + loose,
+        grads=[s.grads.storage for s in states if s.grads is not None]
+        + [p.grad for p in module.parameters() if p.grad is not None],
+        optimizer=device_state + copies,
+        host_params=host_shards,
+        host_grads=host_grads,
+        host_optimizer=host_state + host_copies,
+    )

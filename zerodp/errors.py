@@ -61,6 +61,14 @@ class DivergenceError(ZeroDPError):
     """
 
 
+class NonFiniteError(ZeroDPError, ArithmeticError):
+    """A step's gradient norm is inf or NaN and the config says `"on_non_finite": "raise"`."""
+
+
+class CollectiveError(ZeroDPError):
+    """A collective failed or timed out; the message names it and this rank's recent ones."""
+
+
 class AgreedError(ZeroDPError):
     """Another rank failed a check that every rank agreed on; the message quotes it."""
 
@@ -79,6 +87,7 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
         CheckpointPathError,
         CheckpointStorageError,
         LossScaleError,
+        NonFiniteError,
         ValueError,
         TypeError,
         KeyError,

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from zerodp.comm import current_rank, is_initialized
+from zerodp.comm import Comm, current_rank, is_initialized
 from zerodp.errors import CheckpointError
 from zerodp.gathered import GatheredParameters
 from zerodp.group import GroupState
@@ -40,7 +40,9 @@ def full_state_dict(
     """The module's full state dict, gathered group by group (a collective at stage 3).
 
     With `rank0_only`, ranks other than 0 gather (they must take part) but
-    return an empty dict, so only rank 0 holds the full copy in memory.
+    return an empty dict, so only rank 0 holds the full copy in memory. Tied
+    parameters are one tensor under each of their names (as in `module.state_dict()`),
+    so `save_pretrained` writes them once.
     """
     manager = manager_of_module(module)
     keep = not rank0_only or manager is None or manager.global_rank == 0
@@ -56,8 +58,9 @@ def full_state_dict(
     result: dict[str, Any] = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
-            gathered = values.get(id(value))
-            result[key] = gathered if gathered is not None else value.detach().to(device).clone()
+            if id(value) not in values:  # a tied tensor is one tensor under each of its names
+                values[id(value)] = value.detach().to(device).clone()
+            result[key] = values[id(value)]
         else:
             result[key] = value
     return result
@@ -133,6 +136,8 @@ def save_state_dict(
         total = sum(e.nbytes for e in entries)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if is_initialized():
+        Comm().barrier()  # the files are complete when any rank returns
     return [f for f, _ in files]
 
 

@@ -95,3 +95,13 @@ def is_noop_to(tensor: torch.Tensor, args: tuple[object, ...], kwargs: dict[str,
     same_dtype = dtype is None or dtype == tensor.dtype
     keeps_format = memory_format is None or memory_format is torch.preserve_format
     return same_device and same_dtype and keeps_format
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch's LR schedulers that `optimizer` stepped (they warn if it seems it did not).
+
+    A scheduler wraps `optimizer.step` to notice a step; zerodp's engine steps through
+    `ZeroOptimizer.apply_step` (the step gate has checked already), which the wrapper
+    does not see, so the flag the wrapper would set is set here.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]

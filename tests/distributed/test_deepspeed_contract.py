@@ -343,3 +343,29 @@ def test_no_sync_and_the_16bit_save_flag(pools, tmp_path, stage: int) -> None:
     messages = pools(2).run(no_sync_and_16bit_save_rules, stage, str(tmp_path))
     if stage in (2, 3):
         assert all("gradient_accumulation_steps" in m for m in messages)
+
+
+def tied_state_and_scheduler(stage: int) -> None:
+    from tests.models import TiedLM, token_inputs
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    engine, _, _, _ = zerodp.initialize(
+        model=model,
+        config=zerodp_config(stage, optimizer=SGD, persistence_threshold=0),
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+    )
+    state = engine.state_dict()
+    assert state["embed.weight"] is state["head.weight"], "tied names share one tensor"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns if it thinks the scheduler stepped first
+        for step in range(2):
+            engine.backward(engine(token_inputs(dist.get_rank(), step)).square().mean())
+            engine.step()
+    assert engine.get_lr() == [pytest.approx(0.1 * 0.25)]
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_tied_state_dict_entries_and_torch_schedulers(pools, stage: int) -> None:
+    pools(2).run(tied_state_and_scheduler, stage)

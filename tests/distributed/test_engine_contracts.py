@@ -165,7 +165,10 @@ def failed_load_changes_nothing(stage: int, directory: str) -> list[str]:
         state_file.write_text(json.dumps(shared))
     dist.barrier()
     with pytest.raises(zerodp.CheckpointError) as error:
-        engine.load_checkpoint(directory, tag="one_group", load_optimizer_states=False)
+        # Not verified: a hand edit also breaks the file's checksum, which would refuse it first.
+        engine.load_checkpoint(
+            directory, tag="one_group", load_optimizer_states=False, verify_checksums=False
+        )
     messages.append(str(error.value))
     again = _snapshot(engine, model)
     for a, b in zip(before["params"], again["params"], strict=True):

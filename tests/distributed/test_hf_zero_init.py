@@ -19,7 +19,7 @@ from torch import nn
 
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
-from tests.hf_models import BUILDERS, batch
+from tests.hf_architectures import BUILDERS, batch
 from zerodp.testing import ReferenceDP
 
 CONFIG = zerodp_config(
@@ -286,3 +286,23 @@ def test_streamed_save_holds_one_group_at_a_time(tmp_path, monkeypatch) -> None:
     full = sum(t.numel() * t.element_size() for t in expected.values())
     assert max(growth) < full // 4, (growth, full)
     print(f"save: peak RSS growth per rank {growth} bytes; model {full} bytes")
+
+
+def load_hf_directory_into_init_model(directory: str) -> float:
+    torch.manual_seed(0)
+    source = BUILDERS["llama"]()
+    zerodp.zero.save_state_dict(source, directory, max_shard_bytes=30_000)  # shards + index
+    torch.manual_seed(1)  # other initial values: everything must come from the files
+    with zerodp.zero.Init(config=CONFIG):
+        model = BUILDERS["llama"]()
+    zerodp.zero.load_state_dict(model, directory)
+    worst = 0.0
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        for key, value in source.state_dict().items():
+            worst = max(worst, (model.state_dict()[key] - value).abs().max().item())
+    return worst
+
+
+def test_an_hf_directory_loads_into_a_model_built_sharded(pools, tmp_path) -> None:
+    assert pools(2).run(load_hf_directory_into_init_model, str(tmp_path / "llama")) == [0.0, 0.0]
+    assert (tmp_path / "llama" / "model.safetensors.index.json").is_file()

@@ -280,6 +280,10 @@ class GradientReducer:
         if self.param_grads is not None:
             self.param_grads.show()
 
+    def show_param_grads(self) -> None:
+        """Show the kept gradients as `param.grad` again (stage 0; after a checkpoint load)."""
+        self._show_param_grads()
+
     def full_grad(self, state: GroupState, position: int) -> torch.Tensor:
         """The full rank-averaged gradient of one parameter (a collective: every rank calls it)."""
         kept = _kept(state)

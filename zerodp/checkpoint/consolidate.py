@@ -15,20 +15,49 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
-from zerodp.checkpoint import integrity, plain
+from zerodp.checkpoint import checksums, integrity, plain, schema
+from zerodp.checkpoint.destinations import check_kinds
 from zerodp.checkpoint.paths import check_load_source
+from zerodp.checkpoint.safe_metadata import METADATA_FILE, SafeReader
 from zerodp.checkpoint.sharded import quiet_sharded_tensor_warnings
+from zerodp.errors import CheckpointError, ZeroDPError
+
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # pragma: no cover - older torch
+    CheckpointException = Exception  # type: ignore[assignment,misc]
 
 
 def full_state_dict_from_checkpoint(
-    checkpoint_dir: str | Path, tag: str | None = None
+    checkpoint_dir: str | Path, tag: str | None = None, verify_checksums: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every file is checked (checksums, metadata read without unpickling) before any read;
+    every failure is a `CheckpointError` naming the file."""
+    try:
+        return _full_state_dict(checkpoint_dir, tag, verify_checksums)
+    except (ZeroDPError, ValueError, OSError):
+        raise
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed: {error}") from error
+
+
+def _full_state_dict(
+    checkpoint_dir: str | Path, tag: str | None, verify_checksums: bool
 ) -> dict[str, torch.Tensor]:
     path, _ = check_load_source(checkpoint_dir, tag)
+    manifest = checksums.read_manifest(path) if verify_checksums else None
+    if manifest is not None:
+        for name in (METADATA_FILE, plain.STATE_FILE):
+            checksums.check_small_file(path, name, manifest)
     shared = plain.read_shared_state(path)
+    schema.check_shared_state(shared)
     metadata = integrity.read_metadata(path)
     integrity.check_files(path, metadata)
+    if manifest is not None:
+        chunks = checksums.chunks_by_file(metadata)
+        for name in sorted(chunks):
+            checksums.check_data_file(path, name, chunks[name], manifest)
     saved = integrity.saved_keys(metadata)
     wanted: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -41,9 +70,10 @@ def full_state_dict_from_checkpoint(
         key = f"buffer.{name}"
         if key in saved:
             wanted[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    check_kinds(wanted, saved, metadata)
     with quiet_sharded_tensor_warnings(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*load in a single process.*")
-        dcp.load(wanted, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        dcp.load(wanted, storage_reader=SafeReader(path, metadata), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key in shared["state_dict_keys"]:
         name = shared["tied"].get(key, key)
@@ -54,9 +84,11 @@ def full_state_dict_from_checkpoint(
     return out
 
 
-def consolidate_checkpoint(checkpoint_dir: str, output_path: str, tag: str | None = None) -> Path:
+def consolidate_checkpoint(
+    checkpoint_dir: str, output_path: str, tag: str | None = None, verify_checksums: bool = True
+) -> Path:
     """Write the full fp32 state dict of a checkpoint to `output_path`; returns the path."""
-    state = full_state_dict_from_checkpoint(checkpoint_dir, tag)
+    state = full_state_dict_from_checkpoint(checkpoint_dir, tag, verify_checksums)
     output = Path(output_path)
     output.parent.mkdir(parents=True, exist_ok=True)
     if output.suffix == ".safetensors":

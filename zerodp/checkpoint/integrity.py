@@ -12,22 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from zerodp.checkpoint.safe_metadata import read_metadata
 from zerodp.errors import CheckpointError
 
-
-def read_metadata(path: Path) -> Metadata:
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"'{path}' has no DCP metadata (.metadata): the save did not finish or the "
-            "checkpoint was truncated"
-        ) from None
-    except Exception as error:
-        raise CheckpointError(f"'{path}': unreadable DCP metadata ({error})") from None
+__all__ = ["check_files", "check_model", "read_metadata", "saved_keys"]
 
 
 def check_files(path: Path, metadata: Metadata) -> None:

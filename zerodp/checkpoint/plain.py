@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
+from zerodp.checkpoint.paths import write_file_synced
 from zerodp.checkpoint.subject import CheckpointSubject
 from zerodp.errors import CheckpointError
 
 STATE_FILE = "zerodp_state.json"
 FORMAT = "zerodp-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums.json, kept gradients of a window
 
 
 def shared_state(subject: CheckpointSubject, client_json: Any) -> dict[str, Any]:
@@ -81,7 +82,7 @@ def restore_rank_state(state: dict[str, Any]) -> None:
 
 
 def write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=1, allow_nan=True))
+    write_file_synced(path, json.dumps(data, indent=1, allow_nan=True).encode())
 
 
 def read_shared_state(path: Path) -> dict[str, Any]:
@@ -97,7 +98,8 @@ def read_shared_state(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"'{file}' is unreadable or corrupted: {error}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"'{file}' is not a zerodp checkpoint state file")
-    if data.get("format_version", 0) > FORMAT_VERSION:
+    version = data.get("format_version", 0)
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise CheckpointError(
             f"'{path}' was written by a newer zerodp (format {data['format_version']}); "
             "upgrade zerodp to load it"

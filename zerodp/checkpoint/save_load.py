@@ -4,41 +4,53 @@ Both validate on every rank and agree on the verdict before the first
 collective (see `Comm.raise_if_any_failed`), so a bad path or tag, or a
 checkpoint for another model, is an error on every rank and no rank is left
 waiting. A load checks everything it can know before reading a tensor
-(files, model, optimizer state keys, param-group count, every JSON piece) and
-changes nothing until every check has passed on every rank. Tensors go
-through DCP (see `zerodp.checkpoint.tensors`); the rest is JSON
-(`zerodp.checkpoint.plain`). Saving is atomic (`zerodp.checkpoint.paths`).
+(checksums of every file, the model, the optimizer class and settings,
+param-group count, every JSON value, every rank's generator states) and
+changes nothing until every check has passed on every rank. Nothing is
+unpickled from a checkpoint (`zerodp.checkpoint.safe_metadata`). Tensors
+go through DCP (see `zerodp.checkpoint.tensors`); the rest is JSON
+(`zerodp.checkpoint.plain`). Saving is atomic (`zerodp.checkpoint.paths`)
+and every failure of it, DCP's own included, is one `CheckpointError` with
+the same message on every rank, after which the engine trains on.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemWriter
 
-from zerodp.checkpoint import integrity, plain, tensors
+from zerodp.checkpoint import checksums, destinations, gradients, integrity, plain, schema, tensors
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
 from zerodp.checkpoint.paths import (
     check_load_source,
     check_save_target,
+    clean_leftovers,
     commit,
     has_latest,
     new_temp_name,
 )
+from zerodp.checkpoint.safe_metadata import METADATA_FILE, SafeReader, read_metadata
 from zerodp.checkpoint.sharded import quiet_sharded_tensor_warnings
 from zerodp.checkpoint.subject import CheckpointSubject
-from zerodp.errors import CheckpointError, LifecycleError
-from zerodp.group import GroupState
+from zerodp.comm import Comm
+from zerodp.errors import CheckpointError, CheckpointStorageError, ZeroDPError
 
 logger = logging.getLogger("zerodp")
 
-_USER_ERRORS = (ValueError, TypeError, OSError, CheckpointError, LifecycleError)
+# What DCP raises: `CheckpointException` derives from BaseException, so `except Exception`
+# alone would let it escape past every agreement point.
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # pragma: no cover - older torch
+    CheckpointException = Exception  # type: ignore[assignment,misc]
+
+_FAILURES = (Exception, CheckpointException)
 
 
 def save_checkpoint(
@@ -48,7 +60,7 @@ def save_checkpoint(
     error: BaseException | None = None
     directory = Path(".")
     shared: dict[str, Any] = {}
-    client_tensors: dict[str, torch.Tensor] = {}
+    client_tensors: dict[str, Any] = {}
     try:
         subject.check_idle()
         directory = check_save_target(save_dir, tag)
@@ -59,8 +71,9 @@ def save_checkpoint(
         )
         client_json = to_jsonable({} if client_state is None else client_state, client_tensors)
         shared = plain.shared_state(subject, client_json)
+        shared["gradients"] = gradients.describe(subject)
         json.dumps(shared, allow_nan=True)
-    except _USER_ERRORS as caught:
+    except _FAILURES as caught:
         error = caught
     comm.raise_if_any_failed(error)
     if tag is None:  # pragma: no cover - set above on every rank
@@ -68,43 +81,119 @@ def save_checkpoint(
 
     temp_name = comm.broadcast_object(new_temp_name(tag) if comm.rank == 0 else None)
     temp = directory / temp_name
-    error = None
-    if comm.rank == 0:
-        try:
-            temp.mkdir(parents=True)
-        except OSError as caught:
-            error = caught
-    comm.raise_if_any_failed(error)
-
-    state: dict[str, Any] = {
-        **tensors.model_tensors(subject),
-        **tensors.master_tensors(subject),
-        **tensors.optimizer_tensors(subject),
-        **tensors.rng_tensors(comm.rank),
-    }
-    if comm.rank == 0:
-        state.update(client_tensors)
-    writer = FileSystemWriter(str(temp), single_file_per_rank=True, sync_files=True)
-    with quiet_sharded_tensor_warnings():
-        dcp.save(state, storage_writer=writer, process_group=comm.group)
-
-    error = None
     try:
-        plain.write_json(temp / f"rank{comm.rank}.json", plain.rank_state())
+        _write(subject, directory, temp, tag, shared, client_tensors)
+    except CheckpointError:
+        if comm.rank == 0:  # every rank has stopped writing: the agreement said so
+            clean_leftovers(directory)
+        raise
+    return directory / tag
+
+
+def _write(
+    subject: CheckpointSubject,
+    directory: Path,
+    temp: Path,
+    tag: str,
+    shared: dict[str, Any],
+    client_tensors: dict[str, Any],
+) -> None:
+    """Write everything under `temp`, agreeing after each phase, then commit (rank 0)."""
+    comm = subject.comm
+    where = f"saving checkpoint '{tag}' under '{directory}'"
+
+    def phase_zero() -> None:
+        if comm.rank == 0:
+            clean_leftovers(directory)  # what killed or failed saves left, ours only
+            temp.mkdir(parents=True)
+
+    _agreed(comm, where, phase_zero)
+    entries: dict[str, dict[str, Any]] = {}
+    written: list[Any] = []
+
+    def write_tensors() -> None:
+        state: dict[str, Any] = {
+            **tensors.model_tensors(subject),
+            **tensors.master_tensors(subject),
+            **tensors.optimizer_tensors(subject),
+            **tensors.rng_tensors(comm.rank),
+        }
+        if shared.get("gradients") is not None:
+            state.update(gradients.gradient_tensors(subject))
+        if comm.rank == 0:
+            state.update(client_tensors)
+        writer = FileSystemWriter(str(temp), single_file_per_rank=True, sync_files=True)
+        with quiet_sharded_tensor_warnings():
+            written.append(dcp.save(state, storage_writer=writer, process_group=comm.group))
+
+    _agreed(comm, where, write_tensors)
+
+    def write_json_and_hash() -> None:
+        rank_file = f"rank{comm.rank}.json"
+        plain.write_json(temp / rank_file, plain.rank_state())
+        entries[rank_file] = checksums.small_file_entry(temp / rank_file)
         if comm.rank == 0:
             plain.write_json(temp / plain.STATE_FILE, shared)
-    except OSError as caught:
-        error = caught
-    comm.raise_if_any_failed(error)  # every rank has written everything
+            for name in (plain.STATE_FILE, METADATA_FILE):
+                entries[name] = checksums.small_file_entry(temp / name)
+        chunks = checksums.chunks_by_file(written[0])
+        for name in checksums.my_share(chunks, comm.rank, comm.world_size):
+            entries[name] = checksums.data_file_entry(temp / name, chunks[name])
 
-    error = None
-    if comm.rank == 0:
-        try:
-            commit(directory, temp_name, tag)
-        except OSError as caught:
-            error = caught
+    _agreed(comm, where, write_json_and_hash)
+    gathered = comm.all_gather_object(entries)
+
+    def finish() -> None:
+        if comm.rank == 0:
+            files = {name: entry for part in gathered for name, entry in part.items()}
+            checksums.write_manifest(temp, files)  # last: a directory with it is complete
+            commit(directory, temp.name, tag)
+
+    _agreed(comm, where, finish)
+
+
+def _agreed(comm: Comm, where: str, work: Any) -> None:
+    """Run `work` on every rank; any rank's failure is one CheckpointError on all of them."""
+    error: BaseException | None = None
+    try:
+        work()
+    except _FAILURES as caught:
+        error = _as_checkpoint_error(caught, where)
     comm.raise_if_any_failed(error)
-    return directory / tag
+
+
+def _as_checkpoint_error(error: BaseException, where: str) -> CheckpointError:
+    if isinstance(error, CheckpointError):
+        return error
+    cause = _root_cause(error)
+    rank = _failed_rank(error)
+    text = f"{'' if rank is None else f'on rank {rank}, '}{type(cause).__name__}: {cause}"
+    advice = (
+        "nothing was committed: the previous checkpoints and 'latest' are intact, the engine "
+        "is unchanged and training can go on"
+    )
+    if isinstance(cause, OSError):
+        return CheckpointStorageError(
+            f"{where} failed ({text}); free space or fix the storage, or pass another "
+            f"save_dir; {advice}"
+        )
+    return CheckpointError(f"{where} failed ({text}); {advice}")
+
+
+def _failed_rank(error: BaseException) -> int | None:
+    failures = getattr(error, "failures", None)
+    return min(failures) if isinstance(failures, dict) and failures else None
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's `CheckpointException`, else `error`."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(inner, BaseException):
+            return _root_cause(inner)
+    return error
 
 
 def load_checkpoint(
@@ -114,6 +203,7 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    verify_checksums: bool = True,
 ) -> tuple[str | None, Any]:
     comm = subject.comm
     if tag is None and not _any_latest(subject, load_dir):
@@ -125,36 +215,56 @@ def load_checkpoint(
     error: BaseException | None = None
     path = Path(".")
     shared: dict[str, Any] = {}
-    destinations: dict[str, Any] = {}
-    planned: PlannedState = {}
+    wanted: dict[str, Any] = {}
+    planned: destinations.PlannedState = {}
+    grads = gradients.GradientLoad()
     rank_json: dict[str, Any] | None = None
+    metadata: Any = None
     try:
         subject.check_idle()
         path, tag = check_load_source(load_dir, tag)
+        manifest = checksums.read_manifest(path) if verify_checksums else None
+        if verify_checksums and manifest is None:
+            _warn_unverified(comm, path)
+        if manifest is not None:
+            for name in (METADATA_FILE, plain.STATE_FILE):
+                checksums.check_small_file(path, name, manifest)
         shared = plain.read_shared_state(path)
-        integrity.check_model(subject.module, shared)
-        metadata = integrity.read_metadata(path)
+        schema.check_shared_state(shared)
+        metadata = read_metadata(path)
         integrity.check_files(path, metadata)
+        integrity.check_model(subject.module, shared)
         saved = integrity.saved_keys(metadata)
+        if manifest is not None:
+            chunks = checksums.chunks_by_file(metadata)
+            for name in checksums.my_share(chunks, comm.rank, comm.world_size):
+                checksums.check_data_file(path, name, chunks[name], manifest)
         _check_json_pieces(subject, shared, with_optimizer, load_lr_scheduler_states)
-        rank_json = _read_rank_json(path, comm.rank)
-        destinations = _model_destinations(subject, saved)
+        rank_json = _read_rank_json(path, comm.rank, shared["world_size"], manifest)
+        destinations.check_rng(saved, shared["world_size"])
+        wanted = destinations.model_destinations(subject, saved)
         if with_optimizer:
-            planned = _plan_missing_state(subject, saved)
-            destinations.update(_optimizer_destinations(subject, saved, planned))
-        destinations.update(_fresh_tensors(saved, f"rng.rank{comm.rank}."))
-        destinations.update(_fresh_tensors(saved, "client."))
-    except _USER_ERRORS as caught:
-        error = caught
+            planned = destinations.plan_missing_state(subject, saved)
+            wanted.update(destinations.optimizer_destinations(subject, saved, planned))
+        wanted.update(destinations.fresh_tensors(saved, f"rng.rank{comm.rank}."))
+        wanted.update(destinations.fresh_tensors(saved, "client."))
+        if not load_module_only:
+            grads = gradients.plan_load(subject, shared, saved)
+            wanted.update(grads.destinations)
+        destinations.check_kinds(wanted, saved, metadata)
+    except _FAILURES as caught:
+        error = caught if isinstance(caught, ZeroDPError) else _unexpected(caught, path)
     comm.raise_if_any_failed(error)  # nothing has been changed yet, on any rank
 
-    _attach_planned_state(subject, planned)
+    destinations.attach_planned_state(subject, planned)
+    error = None
     try:
         with quiet_sharded_tensor_warnings():
-            reader = FileSystemReader(str(path))
-            dcp.load(destinations, storage_reader=reader, process_group=comm.group)
-    except Exception as caught:
-        raise CheckpointError(f"reading checkpoint '{path}' failed: {caught}") from caught
+            reader = SafeReader(path, metadata)
+            dcp.load(wanted, storage_reader=reader, process_group=comm.group)
+    except _FAILURES as caught:
+        error = CheckpointError(f"reading checkpoint '{path}' failed: {_root_cause(caught)}")
+    comm.raise_if_any_failed(error)
 
     subject.after_load()
     if not load_module_only:
@@ -167,15 +277,32 @@ def load_checkpoint(
             subject.lr_scheduler.load_state_dict(scheduler_state)
         if subject.dataloader is not None and shared.get("dataloader") is not None:
             subject.dataloader.load_state_dict(shared["dataloader"])
-        rng = {k: v for k, v in destinations.items() if k.startswith("rng.")}
+        rng = {k: v for k, v in wanted.items() if k.startswith("rng.")}
         tensors.restore_rng(rng, comm.rank)
         if rank_json is not None:
             plain.restore_rank_state(rank_json)
-    client = {k: v for k, v in destinations.items() if k.startswith("client.")}
+        grads.apply(subject)
+    client = {k: v for k, v in wanted.items() if k.startswith("client.")}
     return str(path), from_jsonable(shared.get("client_state"), client)
 
 
 # -- checks, all made before anything changes ---------------------------------------------
+
+
+def _unexpected(error: BaseException, path: Path) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint '{path}' could not be checked ({type(error).__name__}: {error}); it is "
+        "damaged or was not written by this zerodp"
+    )
+
+
+def _warn_unverified(comm: Comm, path: Path) -> None:
+    if comm.rank == 0:
+        logger.warning(
+            "checkpoint '%s' has no %s (written by an older zerodp): its data is not verified",
+            path,
+            checksums.CHECKSUM_FILE,
+        )
 
 
 def _check_json_pieces(
@@ -189,32 +316,43 @@ def _check_json_pieces(
     if with_optimizer:
         subject.optimizer_settings.check_state_dict(shared.get("optimizer"))
         subject.loss_scaler.check_state_dict(shared.get("loss_scaler"))
+        scale = shared["loss_scaler"].get("scale")
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            raise CheckpointError(
+                f"checkpoint loss_scaler 'scale' is {scale!r}, not a positive finite number; "
+                "the checkpoint's zerodp_state.json is damaged"
+            )
     scheduler_state = shared.get("lr_scheduler")
     check = getattr(subject.lr_scheduler, "check_state_dict", None)
     if with_scheduler and scheduler_state is not None and check is not None:
         check(scheduler_state)
+    loader_state = shared.get("dataloader")
+    if subject.dataloader is not None and loader_state is not None:
+        schema.check_counts(loader_state, "checkpoint dataloader")
+        schema.check_like(loader_state, subject.dataloader.state_dict(), "checkpoint dataloader")
 
 
-def _read_rank_json(path: Path, rank: int) -> dict[str, Any] | None:
+def _read_rank_json(
+    path: Path, rank: int, saved_world_size: int, manifest: dict[str, Any] | None
+) -> dict[str, Any] | None:
     """This rank's random states; None when the checkpoint had fewer ranks than this run."""
-    file = path / f"rank{rank}.json"
-    if not file.is_file():
+    name = f"rank{rank}.json"
+    file = path / name
+    if rank >= saved_world_size:
         return None
+    if not file.is_file():
+        raise CheckpointError(
+            f"'{file}' is missing: the checkpoint was saved by {saved_world_size} ranks and "
+            "is incomplete"
+        )
+    if manifest is not None:
+        checksums.check_small_file(path, name, manifest)
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"'{file}' is unreadable or corrupted: {error}") from None
-    if not isinstance(data, dict) or "python_random" not in data:
-        raise CheckpointError(f"'{file}' is not a zerodp rank state file")
+    schema.check_rank_state(data, str(file))
     return data
-
-
-def _fresh_tensors(saved: dict[str, TensorStorageMetadata], prefix: str) -> dict[str, Any]:
-    return {
-        k: torch.empty(v.size, dtype=v.properties.dtype)
-        for k, v in saved.items()
-        if k.startswith(prefix)
-    }
 
 
 def _any_latest(subject: CheckpointSubject, load_dir: Any) -> bool:
@@ -234,80 +372,3 @@ def _any_latest(subject: CheckpointSubject, load_dir: Any) -> bool:
             "rank can read"
         )
     return found
-
-
-def _model_destinations(subject: CheckpointSubject, saved: dict[str, Any]) -> dict[str, Any]:
-    """Where the saved values go: fp32 values (masters, when saved) into the fp32 copies."""
-    model = tensors.model_tensors(subject)
-    masters = tensors.master_tensors(subject)
-    destinations: dict[str, Any] = {}
-    for key, tensor in model.items():
-        if not key.startswith("model."):
-            if key in saved:
-                destinations[key] = tensor
-            continue
-        name = key.removeprefix("model.")
-        saved_master = f"master.{name}" in saved
-        if f"master.{name}" in masters:
-            # The engine keeps an fp32 master: fill it with the best fp32 values saved; the
-            # model's half-precision copy is refreshed from it afterwards.
-            source = f"master.{name}" if saved_master else key
-            destinations[source] = masters[f"master.{name}"]
-        else:
-            destinations[f"master.{name}" if saved_master else key] = tensor
-    return destinations
-
-
-PlannedState = dict[GroupState, dict[str, torch.Tensor]]
-
-
-def _optimizer_destinations(
-    subject: CheckpointSubject, saved: dict[str, Any], planned: PlannedState
-) -> dict[str, Any]:
-    """The optimizer state's destinations, including state `planned` for a fresh optimizer."""
-    saved_optim = {k for k in saved if k.startswith("optim.")}
-    if not saved_optim:
-        return {}
-    wanted = tensors.optimizer_tensors(subject, planned)
-    missing = sorted(set(wanted) - saved_optim)
-    unexpected = sorted(saved_optim - set(wanted))
-    if missing or unexpected:
-        raise CheckpointError(
-            "the checkpoint's optimizer state does not match this optimizer (was it saved "
-            f"with a different optimizer class?): missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}; pass load_optimizer_states=False to load the weights only"
-        )
-    return wanted
-
-
-def _plan_missing_state(subject: CheckpointSubject, saved: dict[str, Any]) -> PlannedState:
-    """The state a fresh torch optimizer creates only at its first step, shaped as saved.
-
-    Only planned here (new tensors, nothing attached to the optimizer): the
-    load attaches them once every rank has agreed that every check passed.
-    """
-    existing = subject.optimizer.state
-    planned: PlannedState = {}
-    for entry in tensors.param_entries(subject):
-        state = entry.state
-        if state is None or state.optim is None or existing.get(state.optim.param):
-            continue
-        owned = state.optim.param
-        slots = planned.setdefault(state, {})
-        prefix = f"optim.{entry.name}."
-        for key, meta in saved.items():
-            slot = key.removeprefix(prefix)
-            if not key.startswith(prefix) or slot in slots:
-                continue
-            dtype = meta.properties.dtype
-            if len(meta.size) == 0:
-                slots[slot] = torch.zeros((), dtype=dtype)
-            else:
-                slots[slot] = torch.zeros_like(owned, dtype=dtype)
-    return {state: slots for state, slots in planned.items() if slots}
-
-
-def _attach_planned_state(subject: CheckpointSubject, planned: PlannedState) -> None:
-    for state, slots in planned.items():
-        if state.optim is not None:
-            subject.optimizer.state[state.optim.param] = slots

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
+from zerodp.checkpoint.schema import check_like
 from zerodp.errors import CheckpointError
 
 
@@ -24,11 +25,21 @@ class OptimizerSettings:
         return {"class": type(self.optimizer).__name__, "param_groups": groups}
 
     def check_state_dict(self, state: Any) -> None:
+        """The same optimizer class, param-group count and hyperparameter names, and values
+        of the types this optimizer holds (checked before anything is loaded)."""
         groups = state.get("param_groups") if isinstance(state, dict) else None
         if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
             raise CheckpointError(
                 "checkpoint optimizer settings: expected a list of param-group objects; the "
                 "checkpoint's zerodp_state.json is damaged"
+            )
+        saved_class, current_class = state.get("class"), type(self.optimizer).__name__
+        if saved_class != current_class:
+            raise CheckpointError(
+                f"the checkpoint was saved with optimizer {saved_class}, this engine uses "
+                f"{current_class}: its state and settings do not carry over; build the engine "
+                f"with {saved_class}, or pass load_optimizer_states=False to load the weights "
+                "and counters only (the optimizer starts afresh)"
             )
         current = self.optimizer.param_groups
         if len(groups) != len(current):
@@ -37,6 +48,26 @@ class OptimizerSettings:
                 f"{len(current)}; build the optimizer with the same param groups, or pass "
                 "load_optimizer_states=False to load the weights only"
             )
+        names = sorted(set(self.optimizer.defaults) - {"params"})
+        for index, (saved, live) in enumerate(zip(groups, current, strict=True)):
+            missing = [name for name in names if name not in saved]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint optimizer param group {index} lacks the {current_class} "
+                    f"hyperparameters {missing}; the checkpoint's zerodp_state.json is damaged, "
+                    "or pass load_optimizer_states=False"
+                )
+            for key, value in live.items():
+                if key != "params" and key in saved:
+                    check_like(
+                        saved[key], to_jsonable(value), f"optimizer param group {index} '{key}'"
+                    )
+            lr = saved.get("lr")
+            if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr < 0:
+                raise CheckpointError(
+                    f"checkpoint optimizer param group {index}: lr {lr} is negative; the "
+                    "checkpoint's zerodp_state.json is damaged"
+                )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state_dict(state)
@@ -60,6 +91,7 @@ class SchedulerState:
                 f"checkpoint lr_scheduler: expected a JSON object, got {type(state).__name__}; "
                 "the checkpoint's zerodp_state.json is damaged"
             )
+        check_like(state, self.state_dict(), "checkpoint lr_scheduler")
 
     def load_state_dict(self, state: Any) -> None:
         self.check_state_dict(state)

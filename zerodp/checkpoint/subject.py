@@ -41,7 +41,12 @@ class CheckpointSubject:
 
     `check_idle` raises when a checkpoint cannot be taken now (inside a
     backward); `after_load` makes the model's parameters follow the owned
-    ranges just loaded and zeroes the gradients.
+    ranges just loaded and zeroes the gradients. The kept gradients
+    themselves are in the group records; `gradients_held` says whether they
+    hold anything (a window's accumulation, saved with the checkpoint; it
+    raises when a backward left them incomplete), `gradients_loaded` is
+    called once a load has filled them, and `local_accumulation` says
+    whether this stage keeps local sums inside a window (stages 0 and 1).
     """
 
     comm: Comm
@@ -57,3 +62,8 @@ class CheckpointSubject:
     dataloader: Stateful | None
     check_idle: Callable[[], None]
     after_load: Callable[[], None]
+    accumulation_steps: int = 1
+    local_accumulation: bool = False
+    loss_scale: Callable[[], float] = lambda: 1.0
+    gradients_held: Callable[[], bool] = lambda: False
+    gradients_loaded: Callable[[], None] = lambda: None

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.comm.waiting import OnStall, wait_watched
-from zerodp.errors import AGREED_TYPES, AgreedError
+from zerodp.errors import AGREED_TYPES, AgreedError, ZeroDPError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -66,7 +67,7 @@ class Handle:
     does not).
     """
 
-    __slots__ = ("_on_stall", "_timed", "_work")
+    __slots__ = ("_history", "_on_stall", "_record", "_timed", "_work")
 
     def __init__(
         self, work: Any = None, on_stall: OnStall | None = None, timed: bool = True
@@ -74,14 +75,27 @@ class Handle:
         self._work = work
         self._on_stall = on_stall
         self._timed = timed
+        self._record: CollectiveRecord | None = None
+        self._history: CollectiveHistory | None = None
+
+    def track(self, record: CollectiveRecord, history: CollectiveHistory) -> None:
+        """Name the collective in a failure of `wait()` (see `zerodp.comm.history`)."""
+        self._record, self._history = record, history
 
     def wait(self) -> None:
         if self._work is not None:
-            if self._on_stall is None:
-                self._work.wait()
-            else:
-                wait_watched(self._work, self._on_stall, timed=self._timed)
+            try:
+                if self._on_stall is None:
+                    self._work.wait()
+                else:
+                    wait_watched(self._work, self._on_stall, timed=self._timed)
+            except RuntimeError as error:
+                if self._history is None or self._record is None or isinstance(error, ZeroDPError):
+                    raise  # zerodp's own errors (a divergence found while waiting) pass through
+                raise self._history.failed(self._record, error) from error
             self._work = None
+            if self._history is not None and self._record is not None:
+                self._history.finish(self._record)
 
     @property
     def done(self) -> bool:
@@ -101,9 +115,11 @@ class Comm:
         self.stats = CommStats()
         # Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only).
         self.on_stall: OnStall | None = None
+        self.history = CollectiveHistory(self.rank)  # for errors that name the collective
 
     # -- tensors -----------------------------------------------------------------
 
+    @recorded("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
@@ -112,6 +128,7 @@ class Comm:
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall) if async_op else _DONE
 
+    @recorded("reduce_scatter")
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Handle:
@@ -132,6 +149,7 @@ class Comm:
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall, timed=False) if async_op else _DONE
 
+    @recorded("all_gather")
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False
     ) -> Handle:
@@ -149,6 +167,7 @@ class Comm:
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall) if async_op else _DONE
 
+    @recorded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
@@ -180,6 +199,7 @@ class Comm:
             raise agreed from error
         raise agreed
 
+    @recorded("all_gather_object")
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
@@ -187,6 +207,7 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    @recorded("broadcast_object")
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.world_size == 1:
             return obj
@@ -195,6 +216,7 @@ class Comm:
         dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]
 
+    @recorded("barrier")
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -63,9 +64,42 @@ def _backend_for(device: torch.device) -> str:
     return f"cpu:gloo,{device.type}:{accelerator_backend}"
 
 
-def ensure_process_group(timeout_s: float = 1800.0) -> None:
-    """Initialise the default process group from torchrun's variables if it is not up yet."""
+TIMEOUT_ENV = "ZERODP_COMMS_TIMEOUT_S"
+
+
+def comms_timeout(timeout_s: float | None) -> datetime.timedelta | None:
+    """The collective timeout: `timeout_s` (the config's comms_timeout_s), else
+    $ZERODP_COMMS_TIMEOUT_S, else None (torch's default for the backend)."""
+    if timeout_s is None:
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not text:
+            return None
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            timeout_s = -1.0
+        if not timeout_s > 0:
+            raise ValueError(
+                f"{TIMEOUT_ENV}={text!r}: expected a number of seconds > 0; set it to e.g. 600"
+            )
+    return datetime.timedelta(seconds=timeout_s)
+
+
+def ensure_process_group(timeout_s: float | None = None) -> None:
+    """Initialise the default process group from torchrun's variables if it is not up yet.
+
+    Collectives wait at most `timeout_s` (see `comms_timeout`); torch's default for
+    the backend when neither it nor the environment variable is set.
+    """
+    timeout = comms_timeout(timeout_s)
     if is_initialized():
+        if timeout_s is not None and not _GroupState.owned:
+            warnings.warn(
+                f"comms_timeout_s={timeout_s} has no effect: the process group was set up "
+                "before zerodp.initialize; pass timeout= to torch.distributed."
+                "init_process_group instead",
+                stacklevel=3,
+            )
         return
     if not dist.is_available():
         raise RuntimeError(
@@ -76,7 +110,6 @@ def ensure_process_group(timeout_s: float = 1800.0) -> None:
     if device.type != "cpu":
         accelerator_module = getattr(torch, device.type)
         accelerator_module.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
     backend = _backend_for(device)
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         # A plain `python script.py`: one process, no rendezvous needed.

@@ -19,7 +19,7 @@ run) is an error naming the key and what to set; it is never guessed.
 | zero_optimization.stage3_prefetch_bucket_size | int(0.9 * hidden_size ** 2) |
 | zero_optimization.stage3_param_persistence_threshold | 10 * hidden_size |
 | zero_optimization.stage3_gather_16bit_weights_on_model_save | false (Accelerate's default) |
-| zero_optimization.offload_*.device | "none" (zerodp does not offload yet) |
+| zero_optimization.offload_*.device | "none" (write the device you want) |
 | fp16.enabled, bf16.enabled | whether the model's parameters are fp16 / bf16 |
 
 When an optimizer (or LR scheduler) instance is passed, the engine uses it

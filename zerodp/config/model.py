@@ -87,6 +87,40 @@ class ZeroOptimizationConfig(Section):
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
 
+    @model_validator(mode="after")
+    def _offload_fits_the_stage(self) -> ZeroOptimizationConfig:
+        param, optimizer = self.offload_param, self.offload_optimizer
+        stage = self.stage
+        if param is not None and param.device != "none" and stage != 3:
+            raise SectionRuleError(
+                ("offload_param.device", "stage"),
+                lambda k: (
+                    f"config key '{k[0]}': got {param.device!r} at stage {stage}; parameter "
+                    f"offload needs the sharded parameters of stage 3: set '{k[1]}' to 3, or "
+                    f"'{k[0]}' to \"none\" (use offload_optimizer to move optimizer state)"
+                ),
+            )
+        if optimizer is not None and optimizer.device != "none" and stage == 0:
+            raise SectionRuleError(
+                ("offload_optimizer.device", "stage"),
+                lambda k: (
+                    f"config key '{k[0]}': got {optimizer.device!r} at stage 0; optimizer "
+                    f"offload moves each rank's shard of the optimizer state: set '{k[1]}' "
+                    "to 1, 2 or 3"
+                ),
+            )
+        for name, section in (("offload_param", param), ("offload_optimizer", optimizer)):
+            if section is not None and section.device == "nvme" and not section.nvme_path:
+                raise SectionRuleError(
+                    (f"{name}.nvme_path",),
+                    lambda k: (
+                        f"config key '{k[0]}' is missing: NVMe offload needs the directory its "
+                        "files go in (a local disk every rank can write), e.g. "
+                        '"nvme_path": "/local_nvme"'
+                    ),
+                )
+        return self
+
 
 ZeroConfig = ZeroOptimizationConfig  # the name before 0.2; kept for existing imports
 
@@ -155,6 +189,11 @@ class ZeroDPConfig(Section):
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
+    # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
+    comms_timeout_s: PosFloat | None = None  # None: $ZERODP_COMMS_TIMEOUT_S, else torch's default
+    on_non_finite: Annotated[
+        Literal["warn", "skip", "raise"], choice(("warn", "skip", "raise"))
+    ] = "warn"
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> ZeroDPConfig:

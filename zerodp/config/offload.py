@@ -1,11 +1,9 @@
-"""`zero_optimization.offload_param` and `offload_optimizer`: typed now, built later.
+"""`zero_optimization.offload_param` and `offload_optimizer` (DeepSpeed's keys and defaults).
 
-zerodp keeps parameters, gradients and optimizer state on the accelerator.
-The sections are validated in full (DeepSpeed's keys, types and defaults) so
-that a config written for DeepSpeed loads with `"device": "none"`, and so the
-offload work has its schema ready. Asking for `"cpu"` or `"nvme"` is reported
-as not implemented yet by `zerodp.config.compat` (one message together with
-any other unimplemented feature), not here.
+`device` is honoured ("none", "cpu", or "nvme" with `nvme_path`), and so are
+`pin_memory` (with an accelerator) and `ratio` (partial optimizer offload).
+The other keys tune DeepSpeed's own offload machinery; they are validated
+and have no effect here (see docs/offload.md and docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -14,38 +12,24 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from zerodp.config.fields import Bool, Fraction, NonNegInt, OptStr, Section, choice
+from zerodp.config.fields import Bool, Fraction, OptStr, Section, choice
 
 OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], choice(("none", "cpu", "nvme"))]
 
 
 class OffloadConfig(Section):
-    """What both offload sections share."""
+    """What both offload sections share (the keys zerodp honours; see docs/offload.md)."""
 
-    device: OffloadDevice = Field(
-        "none", description="'none', 'cpu' or 'nvme' (zerodp implements 'none' only, so far)"
-    )
+    device: OffloadDevice = Field("none", description="'none', 'cpu' or 'nvme' (with nvme_path)")
     nvme_path: OptStr = None
-    pin_memory: Bool = True  # DeepSpeed's current default
-    buffer_count: NonNegInt = 4
+    pin_memory: Bool = True  # DeepSpeed's current default; honoured with an accelerator
 
 
 class OffloadParamConfig(OffloadConfig):
-    """`offload_param`: parameters to CPU or NVMe (DeepSpeed: stage 3 only)."""
-
-    buffer_count: NonNegInt = 5
-    buffer_size: NonNegInt = 100_000_000
-    max_in_cpu: NonNegInt = 1_000_000_000
+    """`offload_param`: each rank's stage 3 parameter shards on the host or in files."""
 
 
 class OffloadOptimizerConfig(OffloadConfig):
-    """`offload_optimizer`: optimizer state (and its step) to CPU or NVMe."""
+    """`offload_optimizer`: each rank's optimizer copy and state, and its step, on the host."""
 
-    ratio: Fraction = 1.0
-    fast_init: Bool = False
-    pipeline_read: Bool = False
-    pipeline_write: Bool = False
-    pipeline: Bool = False  # DeepSpeed's older name for pipeline_read and pipeline_write
-    super_offload: Bool = False
-    convert_grad_on_cpu: Bool = True
-    cpuadam_cores_perc: Fraction = 0.8
+    ratio: Fraction = 1.0  # the fraction of the optimizer's elements offloaded

@@ -38,7 +38,7 @@ kept gradients, `zerodp.params` decides when sharded groups are gathered,
 
 from zerodp.group.gather import GatherState, ParamStatus
 from zerodp.group.gradients import GradSync, KeptGradient, TaskContribution
-from zerodp.group.optimizer_param import OptimizerParam
+from zerodp.group.optimizer_param import HostBuffers, OptimizerParam
 from zerodp.group.state import GroupIndex, GroupState
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "GradSync",
     "GroupIndex",
     "GroupState",
+    "HostBuffers",
     "KeptGradient",
     "OptimizerParam",
     "ParamStatus",

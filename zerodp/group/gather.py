@@ -65,10 +65,20 @@ class GatherState:
     # -- transitions (named after the state they reach) -------------------------------
 
     def to_inflight(self) -> None:
-        """Start gathering: allocate the full storage and issue the all-gather."""
+        """Start gathering: allocate the full storage and issue the all-gather.
+
+        An offloaded shard (host memory or a file) is first copied into this rank's
+        chunk of the full buffer, which the all-gather then reads in place.
+        """
         self._require({ParamStatus.NOT_AVAILABLE}, ParamStatus.INFLIGHT)
-        self.flat.alloc_full()
-        self._handle = self.comm.all_gather(self.flat.full, self.flat.shard, async_op=True)
+        flat = self.flat
+        flat.alloc_full()
+        source = flat.shard
+        if flat.shard_offloaded:
+            start, end = flat.shard_range
+            source = flat.full[start:end]
+            source.copy_(flat.shard, non_blocking=True)
+        self._handle = self.comm.all_gather(flat.full, source, async_op=True)
         self.status = ParamStatus.INFLIGHT
 
     def to_available(self) -> None:

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     consolidate.add_argument(
         "--tag", default=None, help="checkpoint tag to read (default: the latest one)"
     )
+    consolidate.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksum check of the checkpoint's files (for trusted storage)",
+    )
     return parser
 
 
@@ -63,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if namespace.command == "env":
         return _env(as_json=namespace.json)
     if namespace.command == "consolidate":
-        return _consolidate(namespace.checkpoint_dir, namespace.output, namespace.tag)
+        return _consolidate(
+            namespace.checkpoint_dir, namespace.output, namespace.tag, not namespace.no_verify
+        )
     parser.print_usage(sys.stderr)
     print("zerodp: error: choose a subcommand: run, env or consolidate", file=sys.stderr)
     return USAGE_ERROR
@@ -100,7 +107,7 @@ def _env(*, as_json: bool) -> int:
     return 0
 
 
-def _consolidate(checkpoint_dir: str, output: str, tag: str | None) -> int:
+def _consolidate(checkpoint_dir: str, output: str, tag: str | None, verify: bool) -> int:
     try:
         from zerodp.checkpoint.consolidate import consolidate_checkpoint
     except ImportError as error:
@@ -113,7 +120,7 @@ def _consolidate(checkpoint_dir: str, output: str, tag: str | None) -> int:
     from zerodp.errors import ZeroDPError
 
     try:
-        written = consolidate_checkpoint(checkpoint_dir, output, tag=tag)
+        written = consolidate_checkpoint(checkpoint_dir, output, tag=tag, verify_checksums=verify)
     except (ZeroDPError, ValueError, OSError) as error:
         print(f"zerodp consolidate: error: {error}", file=sys.stderr)
         return 1

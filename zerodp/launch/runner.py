@@ -6,7 +6,9 @@ module only (1) finds the script path using torchrun's own argument parser,
 so every torchrun flag (and its arity) is understood without a copy of the
 list, (2) adds `--standalone` when no multi-node flag was given, so a single
 machine needs no rendezvous set-up, and (3) turns torchrun's failure exception
-back into the script's exit status, which is what shells and CI look at.
+back into the script's exit status, which is what shells and CI look at, after
+printing torchrun's failure summary (which ranks failed, with what exit code,
+and the first failure) to stderr.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -210,6 +213,8 @@ def launch(plan: RunPlan) -> int:
     try:
         torchrun_main(list(plan.torchrun_argv))
     except ChildFailedError as error:
+        # torchrun's summary: which ranks failed, how, and the first failure (its root cause).
+        print(str(error).strip(), file=sys.stderr, flush=True)
         return exit_status_of(error)
     except SignalException as error:
         # torchrun stopped the workers because this process was signalled.

@@ -16,6 +16,7 @@ from zerodp.monitor.memory import (
     ModelStateBytes,
     ModelStateTensors,
     ideal_model_state_bytes,
+    ideal_offload_bytes,
     model_state_bytes,
     plain_model_state_bytes,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "csv_file_name",
     "eigenvalue_event_name",
     "ideal_model_state_bytes",
+    "ideal_offload_bytes",
     "log_dir",
     "model_state_bytes",
     "plain_model_state_bytes",

@@ -18,6 +18,7 @@ LEARNING_RATE = "Train/Samples/lr"
 GRAD_NORM = "Train/Samples/grad_norm"
 LOSS_SCALE = "Train/Samples/loss_scale"
 SAMPLES_PER_SEC = "Train/Samples/samples_per_sec"
+NON_FINITE_STEPS = "Train/Samples/non_finite_steps"  # steps with an inf/NaN gradient norm
 EIGENVALUE_PREFIX = "Train/Eigenvalues/"
 
 

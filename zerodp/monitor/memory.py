@@ -8,7 +8,7 @@ accounting fp32 master weights belong to the optimizer state.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,13 +17,26 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelStateBytes:
+    """Bytes per category on the device; `host_*` the same on the host (offload)."""
+
     params: int
     grads: int
     optimizer: int
+    host_params: int = 0
+    host_grads: int = 0
+    host_optimizer: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def host_total(self) -> int:
+        return self.host_params + self.host_grads + self.host_optimizer
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.device_total + self.host_total
 
 
 class _StorageCounter:
@@ -51,20 +64,27 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[Any]:
 
 @dataclass(frozen=True)
 class ModelStateTensors:
-    """The tensors of model state one rank holds, by category (views may repeat storage)."""
+    """The tensors of model state one rank holds, by category and side (views may repeat)."""
 
     params: list[Any]
     grads: list[Any]
     optimizer: list[Any]
+    host_params: list[Any] = field(default_factory=list)
+    host_grads: list[Any] = field(default_factory=list)
+    host_optimizer: list[Any] = field(default_factory=list)
 
 
 def model_state_bytes(tensors: ModelStateTensors) -> ModelStateBytes:
     """Bytes per category, each storage counted once (in the first category it appears in)."""
     counter = _StorageCounter()
-    params = counter.count(tensors.params)
-    grads = counter.count(tensors.grads)
-    optimizer = counter.count(tensors.optimizer)
-    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
+    return ModelStateBytes(
+        params=counter.count(tensors.params),
+        grads=counter.count(tensors.grads),
+        optimizer=counter.count(tensors.optimizer),
+        host_params=counter.count(tensors.host_params),
+        host_grads=counter.count(tensors.host_grads),
+        host_optimizer=counter.count(tensors.host_optimizer),
+    )
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -81,6 +101,26 @@ def plain_model_state_bytes(
     grads = counter.count(p.grad for p in model.parameters() if p.grad is not None)
     state = counter.count(_state_tensors(optimizer)) if optimizer is not None else 0
     return ModelStateBytes(params=params, grads=grads, optimizer=state)
+
+
+def ideal_offload_bytes(
+    num_params: int, stage: int, world_size: int, *, mixed: bool, offload_params: bool = False
+) -> tuple[int, int]:
+    """The ZeRO-Offload figures per rank for Adam: (device bytes, host bytes).
+
+    The device keeps parameters and gradients (sharded as the stage shards them;
+    with `offload_params` at stage 3 the parameter shard moves to the host too);
+    the host keeps the fp32 copy and Adam's moments of the owned range: 12/N bytes
+    per parameter at stages 1-3.
+    """
+    p_bytes, g_bytes = (2, 2) if mixed else (4, 4)
+    n = world_size
+    device_params = p_bytes / n if stage == 3 else p_bytes
+    device_grads = g_bytes / n if stage >= 2 else g_bytes
+    host = 12 / n + (device_params if offload_params and stage == 3 else 0)
+    if offload_params and stage == 3:
+        device_params = 0
+    return round((device_params + device_grads) * num_params), round(host * num_params)
 
 
 def ideal_model_state_bytes(

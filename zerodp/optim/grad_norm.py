@@ -2,25 +2,49 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
 from zerodp.comm import Comm
 
 
-def global_grad_norm(grads: list[torch.Tensor], comm: Comm, sharded: bool) -> torch.Tensor:
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """foreach kernels take tensors of one device; offload mixes host and device gradients."""
+    groups: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[tensor.device].append(tensor)
+    return groups
+
+
+def global_grad_norm(
+    grads: list[torch.Tensor], comm: Comm, sharded: bool, device: torch.device | None = None
+) -> torch.Tensor:
     """The 2-norm of the full gradient; `grads` are this rank's (padded with zeros) pieces.
 
     When the pieces are shards (`sharded`), squared norms are summed over ranks;
     when every rank holds the whole gradient, no communication is needed.
-    Returns a 0-d fp32 tensor on the gradients' device (no host synchronisation).
+    Returns a 0-d fp32 tensor on `device` (default: the first gradient's), without a
+    host synchronisation when every gradient is on that device.
     """
     if not grads:
-        return torch.zeros(())
-    norms = torch._foreach_norm(grads, 2)
-    total_sq = torch.stack([n.float() for n in norms]).square().sum()
+        return torch.zeros((), device=device)
+    target = device or grads[0].device
+    squares = []
+    for tensors in _by_device(grads).values():
+        norms = torch._foreach_norm(tensors, 2)
+        squares.append(torch.stack([n.float() for n in norms]).square().to(target))
+    total_sq = torch.cat(squares).sum()
     if sharded:
         comm.all_reduce(total_sq)
     return total_sq.sqrt()
+
+
+def scale_grads(grads: list[torch.Tensor], factor: float | torch.Tensor) -> None:
+    """Multiply every gradient in place by `factor` (a number or a 0-d tensor)."""
+    for device, tensors in _by_device(grads).items():
+        value = factor.to(device, tensors[0].dtype) if isinstance(factor, torch.Tensor) else factor
+        torch._foreach_mul_(tensors, value)
 
 
 def clip_by_global_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
@@ -28,4 +52,4 @@ def clip_by_global_norm(grads: list[torch.Tensor], norm: torch.Tensor, max_norm:
     if max_norm <= 0 or not grads:
         return
     coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(grads, coefficient.to(grads[0].dtype))
+    scale_grads(grads, coefficient)

@@ -22,9 +22,10 @@ from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm
 from zerodp.group import GroupState
-from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm
+from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm, scale_grads
+from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
 from zerodp.precision.loss_scaler import LossScaler
-from zerodp.torch_internals import init_optimizer_hook_dicts
+from zerodp.torch_internals import init_optimizer_hook_dicts, mark_optimizer_stepped
 from zerodp.train_state import TrainState
 
 
@@ -58,6 +59,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gate: StepGate,
         train_state: TrainState,
         loss_scaler: LossScaler | None = None,
+        offload: OffloadedSteps | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.inner = inner
         self.defaults = inner.defaults
@@ -71,6 +74,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gate = gate
         self._train_state = train_state
         self.loss_scaler = loss_scaler or LossScaler.none()
+        self._offload = offload
+        self._device = device
         self.last_grad_norm: torch.Tensor | None = None
         self.last_step_skipped = False
         init_optimizer_hook_dicts(self)
@@ -143,18 +148,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """One optimizer step on the averaged gradients; the caller has checked it may run."""
         if self._reducer.any_local:
             self._reducer.reduce_local()
+        if self._offload is not None:
+            self._offload.fetch_grads(self._states)
         grads = []
         for state in self._states:
             param, kept = state.optim, state.grads
             if param is None or kept is None:  # pragma: no cover - trainable groups have both
                 raise RuntimeError(f"internal error: {state} is trainable but incomplete")
-            grad = kept.owned()
-            param.param.grad = grad if grad.dtype == param.param.dtype else grad.to(param.param)
+            param.param.grad = param.grad_for_optimizer(kept.owned())
             grads.append(param.param.grad)
         scaler = self.loss_scaler
         if scaler.scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / scaler.scale)
-        norm = global_grad_norm(grads, self._comm, sharded=self._sharded_grads)
+            scale_grads(grads, 1.0 / scaler.scale)
+        norm = global_grad_norm(grads, self._comm, sharded=self._sharded_grads, device=self._device)
         self.last_grad_norm = norm
         self.last_step_skipped = False
         if scaler.checks_overflow:
@@ -166,10 +172,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._train_state.skipped_steps += 1
                 self._drop_grads()
                 return
+        elif self._skip_non_finite(norm):  # fp32/bf16: the config's on_non_finite policy
+            self.last_step_skipped = True
+            self._drop_grads()
+            return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
-        self.inner.step()
+        if self._offload is not None:
+            self._offload.step(self.inner, self._states)
+        else:
+            self.inner.step()
+        mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()
+
+    def _skip_non_finite(self, norm: torch.Tensor) -> bool:
+        try:
+            return self._gate.skip_non_finite(norm, self._train_state.global_steps)
+        except BaseException:  # raised before anything changed; leave no .grad behind
+            self._drop_grads()
+            raise
 
     @torch.no_grad()
     def sync_params_from_owned(self) -> None:
@@ -177,8 +198,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for state in self._states:
             if state.optim is not None:
                 state.optim.copy_to_model()
+        if self._offload is not None:
+            synchronize_device()  # the copies from the host's buffers are done before reuse
         self._params.publish_after_step()
         autograd_api.increment_version(self._model_params)
+
+    def place_offloaded_state(self) -> None:
+        """After a checkpoint load: optimizer state of NVMe-offloaded groups goes to its files."""
+        if self._offload is not None:
+            self._offload.place_all_state(self.inner, self._states)
 
     def _drop_grads(self) -> None:
         for state in self._states:

@@ -330,6 +330,12 @@ class ParamCoordinator:
         gather.to_available()
 
     def _prefetch(self, upcoming: list[GroupState]) -> None:
+        """Gather the groups due within the next `stage3_prefetch_bucket_size` elements.
+
+        The window counts every upcoming group, gathered already or not: counting
+        only the ones still to gather would reach one window further at every
+        request, and the gathered set would grow through the whole pass.
+        """
         budget = self.prefetch_numel
         seen: set[GroupState] = set()
         for state in upcoming:
@@ -339,13 +345,13 @@ class ParamCoordinator:
                 continue
             seen.add(state)
             gather = _gather_of(state)
+            budget -= gather.numel
             if gather.status is not ParamStatus.NOT_AVAILABLE:
                 continue
             if self.live_numel + gather.numel > self.max_live_numel:
                 return
             self._issue(state, gather)
             self.num_prefetched += 1
-            budget -= gather.numel
 
     def _keeps_for_backward(self, state: GroupState, upcoming: list[GroupState]) -> bool:
         """Whether the backward about to follow starts with `state` (so it stays gathered).

@@ -64,6 +64,7 @@ class FlatGroup:
             param.data = self.full[slot.offset : slot.end].view(slot.shape)
         start, end = self.layout.shard_range(rank)
         self.shard = self.full[start:end] if persistent else self.full[start:end].clone()
+        self.shard_offloaded = False  # the shard lives on the host or in a file (offload_param)
 
     @property
     def trainable(self) -> bool:
@@ -131,6 +132,20 @@ class FlatGroup:
         if not resident:
             self.free_full()
         self.dtype = dtype
+
+    def place_shard(self, tensor: torch.Tensor) -> None:
+        """Keep a sharded group's shard in `tensor` instead (host memory or a file: offload).
+
+        Gathering then copies it into the full buffer before the all-gather.
+        """
+        if self.persistent:
+            raise ValueError(f"{self} is persistent: its shard is a view of the full buffer")
+        if tensor.numel() != self.shard.numel() or tensor.dtype != self.shard.dtype:
+            raise ValueError(f"{self}: a shard of {self.shard.numel()} {self.shard.dtype} needed")
+        with torch.no_grad():
+            tensor.copy_(self.shard)
+        self.shard = tensor
+        self.shard_offloaded = True
 
     def take_shard_from_full(self) -> None:
         """Refresh a separate shard from the full buffer (after the full buffer was overwritten)."""

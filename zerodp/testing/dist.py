@@ -55,7 +55,7 @@ def _worker_main(
     from zerodp.comm import ensure_process_group
 
     try:
-        ensure_process_group(timeout_s=600)
+        ensure_process_group(timeout_s=None if os.environ.get("ZERODP_COMMS_TIMEOUT_S") else 600)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return

@@ -55,7 +55,7 @@ class Ignored:
 
 
 _FP16_ONLY = "bf16 needs no loss scaling (an fp16 key)"
-_NO_OFFLOAD = "a CPU-offload setting; zerodp does not offload (yet)"
+_NO_OFFLOAD = "a tuning of DeepSpeed's CPU offload; zerodp's offload needs none"
 _TORCH_PROFILER = "use torch.profiler"
 
 IGNORED: tuple[Ignored, ...] = (
@@ -314,6 +314,37 @@ IGNORED: tuple[Ignored, ...] = (
         "zerodp cannot defer stage-1 reduction hooks",
     ),
     Ignored("zero_optimization.round_robin_gradients", BOOL, _NO_OFFLOAD),
+    *(
+        Ignored(f"zero_optimization.offload_optimizer.{key}", kind, _NO_OFFLOAD)
+        for key, kind in (
+            ("buffer_count", INT),
+            ("fast_init", BOOL),
+            ("pipeline_read", BOOL),
+            ("pipeline_write", BOOL),
+            ("pipeline", BOOL),
+            ("super_offload", BOOL),
+            ("convert_grad_on_cpu", BOOL),
+            ("cpuadam_cores_perc", NUMBER),
+        )
+    ),
+    *(
+        Ignored(f"zero_optimization.offload_param.{key}", INT, _NO_OFFLOAD)
+        for key in ("buffer_count", "buffer_size", "max_in_cpu")
+    ),
+    Ignored(
+        "aio",
+        block(
+            block_size=INT,
+            queue_depth=INT,
+            intra_op_parallelism=INT,
+            thread_count=INT,
+            single_submit=BOOL,
+            overlap_events=BOOL,
+            use_gds=BOOL,
+        ),
+        "zerodp's NVMe offload reads and writes through the operating system's page cache, "
+        "with its own I/O threads; DeepSpeed's libaio settings have no counterpart",
+    ),
     Ignored(
         "zero_optimization.parameter_alignment",
         BOOL,

@@ -41,11 +41,6 @@ def _compression_off(value: Any) -> bool:
     return True
 
 
-def _no_offload(value: Any) -> bool:
-    """Only "cpu" and "nvme" ask for offload; any other value is the typed section's to check."""
-    return not (isinstance(value, str) and value.lower() in ("cpu", "nvme"))
-
-
 @dataclass(frozen=True)
 class Unsupported:
     path: str
@@ -141,11 +136,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "remove the block",
     ),
     Unsupported(
-        "aio",
-        "asynchronous NVMe I/O",
-        "remove the block (it only serves NVMe offload, which zerodp does not have yet)",
-    ),
-    Unsupported(
         "nebula",
         "the Nebula checkpoint service",
         f"zerodp saves with torch.distributed.checkpoint; {_SET_DISABLED}",
@@ -205,21 +195,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         "DeepSpeed's checkpoint writers (the fast and decoupled checkpoint engines)",
         "remove it; zerodp writes with torch.distributed.checkpoint",
         _is(None),
-    ),
-    Unsupported(
-        "zero_optimization.offload_optimizer.device",
-        "optimizer offload (to CPU or NVMe) yet",
-        'set "device": "none" to keep optimizer state on the accelerator (offload is planned)',
-        _no_offload,
-        schema_key=True,
-    ),
-    Unsupported(
-        "zero_optimization.offload_param.device",
-        "parameter offload (to CPU or NVMe) yet",
-        'set "device": "none" to keep parameters on the accelerator (offload is planned); '
-        "stage 3 already shards them",
-        _no_offload,
-        schema_key=True,
     ),
     Unsupported(
         "zero_optimization.zero_hpz_partition_size",

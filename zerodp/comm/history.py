@@ -1,0 +1,145 @@
+"""The last collectives this rank issued, so that a failed one is an error that names it.
+
+A frozen or dead peer shows up on the other ranks as a gloo/NCCL
+`RuntimeError` ("Timed out waiting 10000ms for recv", "Connection closed by
+peer") that says nothing about which of zerodp's collectives it was in. Every
+`Comm` collective is `recorded`: the history keeps the last few (kind, bytes,
+the zerodp call site that issued it), and a failure becomes a
+`CollectiveError` naming the collective, how long it waited, and the ones
+before it; the same text goes to the `zerodp` logger (stderr by default).
+Recording is a few attribute writes per collective, not a synchronisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from zerodp.errors import CollectiveError, ZeroDPError
+
+logger = logging.getLogger("zerodp")
+
+_KEPT = 8
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+_COMM = str(Path(__file__).resolve().parent)
+
+
+@dataclass
+class CollectiveRecord:
+    number: int  # 1, 2, ... on this rank
+    kind: str
+    nbytes: int | None
+    site: str  # the caller of the collective: file:line function
+    started: float
+    finished: float | None = None
+
+    def describe(self, now: float) -> str:
+        size = "" if self.nbytes is None else f", {_size(self.nbytes)}"
+        if self.finished is None:
+            state = f"waiting {now - self.started:.1f} s"
+        else:
+            state = f"done in {self.finished - self.started:.3f} s"
+        return f"#{self.number} {self.kind}{size} from {self.site} ({state})"
+
+
+class CollectiveHistory:
+    """The last `_KEPT` collectives of one `Comm` on this rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.count = 0
+        self.records: deque[CollectiveRecord] = deque(maxlen=_KEPT)
+
+    def issue(self, kind: str, nbytes: int | None) -> CollectiveRecord:
+        self.count += 1
+        record = CollectiveRecord(self.count, kind, nbytes, _call_site(), time.monotonic())
+        self.records.append(record)
+        return record
+
+    @staticmethod
+    def finish(record: CollectiveRecord) -> None:
+        record.finished = time.monotonic()
+
+    def failed(self, record: CollectiveRecord, error: BaseException) -> CollectiveError:
+        """The error to raise for `record`'s failure (and log it with the history)."""
+        now = time.monotonic()
+        recent = "\n".join(f"  {r.describe(now)}" for r in self.records)
+        message = (
+            f"rank {self.rank}: collective {record.kind} #{record.number} (from {record.site}) "
+            f"failed after {now - record.started:.1f} s: {str(error).strip()}\n"
+            "A peer process died, froze, or issued a different collective (every rank must "
+            "make the same zerodp calls in the same order). The wait is bounded by "
+            "comms_timeout_s in the config (or $ZERODP_COMMS_TIMEOUT_S). This rank's last "
+            f"collectives:\n{recent}"
+        )
+        logger.error("%s", message)
+        return CollectiveError(message)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def recorded(kind: str) -> Callable[[F], F]:
+    """Record a `Comm` method's collective in `self.history`; a backend failure in it (or in
+    the wait of the handle it returns) becomes a `CollectiveError` that names it."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.world_size == 1:
+                return method(self, *args, **kwargs)
+            history: CollectiveHistory = self.history
+            record = history.issue(kind, _nbytes(args))
+            try:
+                result = method(self, *args, **kwargs)
+            except RuntimeError as error:
+                if isinstance(error, ZeroDPError):
+                    raise
+                raise history.failed(record, error) from error
+            track = getattr(result, "track", None)
+            if track is not None and not result.done:
+                track(record, history)
+            else:
+                history.finish(record)
+            return result
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
+def _nbytes(args: tuple[Any, ...]) -> int | None:
+    """The bytes of the largest tensor argument (the full tensor of the collective)."""
+    sizes = [a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)]
+    return max(sizes) if sizes else None
+
+
+def _call_site() -> str:
+    """The first frame outside zerodp/comm: the zerodp code (or user code) that asked."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_COMM):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:  # pragma: no cover
+        return "?"
+    name = frame.f_code.co_filename
+    shown = name.removeprefix(_PACKAGE + "/") if name.startswith(_PACKAGE) else Path(name).name
+    if name.startswith(_PACKAGE):
+        shown = "zerodp/" + shown
+    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return f"{nbytes} B"  # pragma: no cover

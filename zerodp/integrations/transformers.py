@@ -1,0 +1,401 @@
+"""`ZeroDPTrainer`: the HF `Trainer`, with zerodp doing the training step.
+
+    trainer = ZeroDPTrainer(model=model, args=TrainingArguments(...),
+                            train_dataset=dataset, zerodp_config="zero3.json")
+    trainer.train()                      # torchrun --nproc_per_node N train.py
+    trainer.save_model("out")            # config.json + model.safetensors
+
+The Trainer has no plug-in point for an outside engine, so this subclass
+takes over the few places where it would prepare, step or save the model
+itself ([Note: what ZeroDPTrainer takes over]). Everything else (data
+loading through Accelerate, the loop, callbacks, logging, evaluation,
+trainer_state.json, RNG state, checkpoint rotation) is the Trainer's own.
+
+[Note: what ZeroDPTrainer takes over]
+- Preparation (`_prepare_for_training`): `zerodp.initialize` builds the engine
+  on `self.model`, with the config from `trainer_config` (the "auto" values
+  and the batch, accumulation and clipping keys from the TrainingArguments).
+  The model is never wrapped in DDP nor handed to `accelerator.prepare`
+  (zerodp places, casts and shards it, and reduces its gradients).
+- The optimizer: the config's "optimizer" block, else an optimizer passed as
+  `optimizers=(optimizer, ...)`, else the one `args.optim` names, built by
+  zerodp on its flat shards (never on the model's parameters), with the
+  Trainer's weight-decay groups. The LR schedule: the config's "scheduler"
+  block, else a scheduler passed in, else `args.lr_scheduler_type`'s, built
+  on the engine's optimizer. The engine steps both; what the Trainer holds as
+  `self.optimizer` / `self.lr_scheduler` are views whose `step()` is the
+  engine's boundary step, and a no-op (the engine has stepped it).
+- Backward: the Trainer's one call site, `accelerator.backward(loss)`, runs
+  `engine.backward(loss, scale_wrt_gas=False)`: the Trainer has divided the
+  loss for accumulation already (or normalised it by `num_items_in_batch`).
+  Before each micro-batch the engine is told whether the Trainer will step
+  after it (`set_gradient_accumulation_boundary`), so a short last window of
+  an epoch steps where the Trainer steps; between boundaries `engine.step()`
+  only counts the micro-step.
+- Clipping is the engine's (`gradient_clipping` from `max_grad_norm`); the
+  logged `grad_norm` is `engine.get_global_grad_norm()` (before clipping,
+  over all shards), the logged learning rate the one the step used.
+- Checkpoints: `engine.save_checkpoint` writes the sharded model, optimizer,
+  scheduler and counters inside the Trainer's `checkpoint-N` folder, next to
+  the Trainer's trainer_state.json and rng_state files and the HF weights;
+  resuming loads it with `engine.load_checkpoint`.
+- `save_model`: the full weights gathered with `engine.state_dict()` and
+  written by rank 0 with `save_pretrained` (`_write_hf_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from transformers import Trainer
+except ImportError as _error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "zerodp.integrations.transformers needs transformers and accelerate: "
+        "pip install 'zerodp[transformers]'"
+    ) from _error
+
+import zerodp
+from zerodp.errors import CheckpointError, ConfigError, ConfigWarning, UsageError
+from zerodp.integrations.trainer_config import TrainerValues, read_config, trainer_config
+from zerodp.integrations.trainer_views import EngineOptimizer, EngineScheduler
+
+logger = logging.getLogger("zerodp")
+
+# The Trainer's own methods this subclass replaces; without one of them the Trainer would
+# prepare, step or save the model itself, so an import against another layout fails here.
+_REPLACED = (
+    "_prepare_for_training",
+    "_move_model_to_device",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_maybe_log_save_evaluate",
+    "_save_optimizer_and_scheduler",
+    "_save_scaler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_load_best_model",
+    "_save",
+)
+_missing = [name for name in _REPLACED if not hasattr(Trainer, name)]
+if _missing:  # pragma: no cover - depends on the installed transformers
+    import transformers as _transformers
+
+    raise ImportError(
+        f"ZeroDPTrainer does not know this transformers.Trainer ({_transformers.__version__}): "
+        f"it has no {', '.join(_missing)}; install the transformers version zerodp's tests use "
+        "(see pyproject.toml)"
+    )
+
+__all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer"]
+
+# Schedulers the Trainer steps with a metric after evaluation; the engine steps without one.
+_METRIC_SCHEDULERS = frozenset({"reduce_lr_on_plateau", "greedy"})
+# Optimizers that update inside backward (LOMO) and cannot step flat shards.
+_UNSUPPORTED_OPTIM = frozenset({"lomo", "adalomo"})
+
+
+class ZeroDPTrainer(Trainer):
+    """A `transformers.Trainer` whose model is trained by a zerodp engine.
+
+    Takes the Trainer's arguments plus `zerodp_config`: a DeepSpeed-style
+    config (a dict or a JSON path) whose "auto" values are filled from the
+    TrainingArguments (see `zerodp.integrations.trainer_config`). Launch with
+    torchrun, one process per device. `self.engine` is the `ZeroEngine` once
+    `train()` has built it.
+    """
+
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        zerodp_config = kwargs.pop("zerodp_config", None)
+        if zerodp_config is None:
+            raise ConfigError(
+                "ZeroDPTrainer needs zerodp_config= (a dict or the path of a JSON config, e.g. "
+                '{"zero_optimization": {"stage": 3}}, with "auto" where the TrainingArguments '
+                "decide)"
+            )
+        read_config(zerodp_config)  # a bad path or type fails now, not at train()
+        _refuse_unsupported_arguments(args)
+        self.zerodp_config = zerodp_config
+        self.engine: zerodp.ZeroEngine | None = None
+        super().__init__(model, args, *rest, **kwargs)
+        if self.args.n_gpu > 1:
+            raise UsageError(
+                f"this process sees {self.args.n_gpu} GPUs and the Trainer would use "
+                "nn.DataParallel; launch one process per GPU with torchrun instead"
+            )
+        if getattr(self.args, "torch_compile", False) and self.args.process_index == 0:
+            warnings.warn(
+                "ZeroDPTrainer: TrainingArguments(torch_compile=True) has no effect (Accelerate "
+                "compiles the models it prepares, and zerodp's is not one of them)",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        # What the user passed as optimizers=(...): handed to zerodp at train().
+        self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
+
+    # -- what the Trainer would otherwise do to the model --------------------------------
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator, with backward and model preparation routed to zerodp.
+
+        The Trainer calls `accelerator.backward(loss)` for every micro-batch and
+        `accelerator.prepare_model(model)` before evaluating; these two instance
+        attributes are the only seams it has for an outside engine.
+        """
+        super().create_accelerator_and_postprocess()
+        accelerator = self.accelerator
+        prepare_model = accelerator.prepare_model
+
+        def prepare_model_unless_ours(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            if model is self.model and self.engine is not None:
+                return model  # zerodp placed and cast it: no DDP, no autocast wrapper
+            return prepare_model(model, *args, **kwargs)
+
+        accelerator.prepare_model = prepare_model_unless_ours
+        accelerator.backward = self._engine_backward
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """zerodp moves the model to its device (and keeps stage 3 parameters sharded)."""
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+    ) -> tuple[nn.Module, Any]:
+        """Build the engine (instead of the Trainer's optimizer, scheduler and DDP wrapper)."""
+        if self.engine is not None:  # train() again: a fresh engine on the same model
+            self.engine.destroy()
+            self.engine = None
+        values = TrainerValues.from_args(
+            self.args, num_training_steps=max_steps, world_size=self.args.world_size
+        )
+        config = trainer_config(self.zerodp_config, values)
+        optimizer, model_parameters = self._engine_optimizer(config)
+        lr_scheduler = self._engine_scheduler(config, max_steps)
+        model = self._module()
+        engine, _, _, _ = zerodp.initialize(
+            model=model,
+            config=config,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+        )
+        self.engine = engine
+        self.model_wrapped = model
+        stepper = EngineOptimizer(engine)
+        # Views, not torch objects: the Trainer only calls step(), zero_grad() and get_last_lr().
+        self.optimizer = stepper  # type: ignore[assignment]
+        self.lr_scheduler = EngineScheduler(stepper)  # type: ignore[assignment]
+        if resume_from_checkpoint is not None:
+            path, _ = engine.load_checkpoint(resume_from_checkpoint)
+            if path is None:
+                raise CheckpointError(
+                    f"'{resume_from_checkpoint}' holds no zerodp checkpoint (no 'latest' file): "
+                    "it was saved with save_only_model=True or by another engine; resume from "
+                    "a checkpoint ZeroDPTrainer saved"
+                )
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _module(self) -> nn.Module:
+        if self.model is None:
+            raise UsageError("ZeroDPTrainer has no model: pass model= or model_init=")
+        return self.model
+
+    def _engine_optimizer(self, config: dict[str, Any]) -> tuple[Any, Any]:
+        """(optimizer= , model_parameters=) for zerodp.initialize."""
+        given = self._given_optimizer
+        if "optimizer" in config:
+            if given is not None:
+                raise ConfigError(
+                    "zerodp_config has an 'optimizer' block and the Trainer was given "
+                    "optimizers=(optimizer, ...): remove one of them"
+                )
+            return None, None
+        if given is not None:
+            return given, None
+        if _name(self.args.optim) in _UNSUPPORTED_OPTIM:
+            raise ConfigError(
+                f"optim={_name(self.args.optim)!r} updates the weights inside backward, which "
+                "zerodp cannot do on sharded parameters; use adamw_torch or an 'optimizer' block"
+            )
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)  # type: ignore[arg-type]
+        builds_own_groups = {"params", "model", "optimizer_dict"} & set(kwargs)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or (
+            builds_own_groups
+        ):
+            raise ConfigError(
+                f"optim={_name(self.args.optim)!r} builds its own parameter groups or several "
+                "optimizers, which zerodp cannot lay out on its shards; use an elementwise "
+                "torch optimizer (adamw_torch, sgd, ...) or an 'optimizer' block in zerodp_config"
+            )
+        kwargs = dict(kwargs)
+
+        def build(shard_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return cls(shard_groups, **kwargs)
+
+        return build, self._weight_decay_groups()
+
+    def _weight_decay_groups(self) -> list[dict[str, Any]]:
+        """The Trainer's two param groups: weight decay, and none for biases and norms."""
+        model = self._module()
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {
+                "params": [p for n, p in trainable if n in decay],
+                "weight_decay": self.args.weight_decay,
+            },
+            {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
+        ]
+        return [group for group in groups if group["params"]]
+
+    def _engine_scheduler(self, config: dict[str, Any], num_training_steps: int) -> Any:
+        """lr_scheduler= for zerodp.initialize: None for the config's block, else a scheduler."""
+        if "scheduler" in config:
+            if self._given_scheduler is not None:
+                raise ConfigError(
+                    "zerodp_config has a 'scheduler' block and the Trainer was given "
+                    "optimizers=(..., lr_scheduler): remove one of them"
+                )
+            return None
+        if self._given_scheduler is not None:
+            return self._given_scheduler
+        if _name(self.args.lr_scheduler_type) in _METRIC_SCHEDULERS:
+            raise ConfigError(
+                f"lr_scheduler_type={_name(self.args.lr_scheduler_type)!r} steps on an evaluation "
+                "metric, which the engine's step does not have; use another schedule"
+            )
+
+        def build(optimizer: torch.optim.Optimizer) -> Any:
+            # On the torch optimizer inside zerodp's: the engine calls its step(), so torch's
+            # "lr_scheduler.step() before optimizer.step()" check sees the steps.
+            inner = getattr(optimizer, "inner", optimizer)
+            self.lr_scheduler = None  # create_scheduler builds only when there is none
+            return self.create_scheduler(num_training_steps, optimizer=inner)
+
+        return build
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        """The engine's optimizer view; zerodp builds the optimizer itself, at train()."""
+        if self.engine is None:
+            raise UsageError(
+                "ZeroDPTrainer builds its optimizer inside zerodp at train(); pass "
+                "optimizers=(...) or an 'optimizer' block in zerodp_config to choose it"
+            )
+        return self.optimizer
+
+    # -- the training step -----------------------------------------------------------
+
+    def _require_engine(self) -> zerodp.ZeroEngine:
+        if self.engine is None:
+            raise UsageError("the zerodp engine is built by train(); call trainer.train() first")
+        return self.engine
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """One micro-batch: the Trainer's forward and loss, backward through the engine."""
+        engine = self._require_engine()
+        boundary = bool(self.accelerator.sync_gradients)
+        engine.set_gradient_accumulation_boundary(boundary)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if not boundary:
+            engine.step()  # counts the micro-step; the boundary's is the Trainer's optimizer.step()
+        return loss
+
+    def _engine_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if kwargs:
+            raise UsageError(
+                f"ZeroDPTrainer's backward got {sorted(kwargs)}, which zerodp does not take"
+            )
+        # The Trainer divided the loss for accumulation (or by num_items_in_batch) already.
+        self._require_engine().backward(loss, scale_wrt_gas=False)
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        """The engine clips at its step (`gradient_clipping`, from `max_grad_norm`)."""
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        """Known only after the engine's step: read in `_maybe_log_save_evaluate`."""
+        return None
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        norm = self.engine.get_global_grad_norm() if self.engine is not None else grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
+
+    # -- checkpoints and saving --------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's sharded checkpoint (model, optimizer, scheduler, counters)."""
+        self._require_engine().save_checkpoint(output_dir)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """The fp16 loss scale travels in the engine's checkpoint."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Weights are restored with the engine's checkpoint in `_prepare_for_training`."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Restored with the engine's checkpoint."""
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Restored with the engine's checkpoint."""
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("loading the best model from %s", best)
+        self._require_engine().load_checkpoint(best, load_module_only=True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model for `from_pretrained`: config.json and safetensors weights.
+
+        A collective: every rank calls it (the Trainer does, at checkpoints).
+        Before `train()` built the engine, the Trainer's own saving applies.
+        """
+        if self.engine is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        self._write_hf_model(output_dir or str(self.args.output_dir))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _write_hf_model(self, output_dir: str) -> None:
+        """Gather the full weights (group by group) and let rank 0 `save_pretrained` them.
+
+        HF key names, tied weights written once (save_pretrained drops the tied
+        duplicates), the training dtype. Rank 0 holds the whole model once; a
+        streaming writer can replace this one function.
+        """
+        engine = self._require_engine()
+        state_dict = engine.state_dict(rank0_only=not self.args.save_on_each_node)
+        self._save(output_dir, state_dict=state_dict)  # tied names share one tensor
+
+
+def _name(choice: Any) -> str:
+    """The string of a TrainingArguments choice (an enum member or a plain string)."""
+    return str(getattr(choice, "value", choice))
+
+
+def _refuse_unsupported_arguments(args: Any) -> None:
+    """TrainingArguments that would put another engine or wrapper around the model."""
+    if args is None:
+        return
+    problems = []
+    if getattr(args, "deepspeed", None):
+        problems.append("deepspeed= (pass that config as ZeroDPTrainer(zerodp_config=...) instead)")
+    if getattr(args, "fsdp", None):
+        problems.append("fsdp= (zerodp shards the model itself)")
+    if getattr(args, "auto_find_batch_size", False):
+        problems.append("auto_find_batch_size=True (it rebuilds the model's engine mid-run)")
+    if problems:
+        raise ConfigError("ZeroDPTrainer cannot use TrainingArguments " + "; ".join(problems))
