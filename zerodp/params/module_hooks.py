@@ -8,6 +8,8 @@
   multi-grad hook on the outputs marks the module's pre-backward.
 - the root module also installs the saved-tensor hooks for the forward and
   ends the forward pass (releasing prefetched groups nobody used).
+- only the root and modules with sharded groups in their subtree are hooked
+  (`hooked_modules`): the others have nothing to gather.
 - a leaf module (see [Note: leaf modules]) gathers its whole subtree; while it
   runs, no hook of a module inside it does anything. Its inputs pass through
   `LeafEntry`, whose backward ends the leaf's backward.
@@ -49,10 +51,22 @@ class Stage3ModuleHooks:
         self._post_backward = lifecycle.hook(coordinator.post_backward)
         self._end_leaf_backward = lifecycle.hook(coordinator.end_leaf_backward)
 
+    def hooked_modules(self) -> list[nn.Module]:
+        """The root, and every module with a sharded group in its subtree.
+
+        A module with none (an activation, a dropout, a module inside a stage 3 unit)
+        has nothing to gather: should it read another module's parameter, the nearest
+        hooked module around it gathers that on use, as its own.
+        """
+        owns = self.coordinator.owns_groups
+        return [
+            m for m in self.root.modules() if m is self.root or any(owns(x) for x in m.modules())
+        ]
+
     def install(self) -> list[RemovableHandle]:
         handles = []
         pre_forward = self.lifecycle.hook(self._pre_forward)
-        for module in self.root.modules():
+        for module in self.hooked_modules():
             handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
             handles.append(
                 module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
