@@ -336,7 +336,9 @@ def profile_stage3(path: str, settings: TrainSettings, args: argparse.Namespace)
             for kind, entry in sorted(stats.snapshot().items()):
                 lines.append(f"  collective {kind}: {entry}")
             out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+            ordered = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+            ordered.print_stats(30)
+            ordered.print_callers(r"zero_parameter.py.*__torch_function__")
             Path(path).write_text("\n".join(lines) + "\n\n" + out.getvalue(), encoding="utf-8")
             print(f"stage 3 profile ({model} model, rank 0) written to {path}")
     finally:
