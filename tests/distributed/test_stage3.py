@@ -117,7 +117,7 @@ def units_match_reference() -> None:
         for step in range(3):
             x = gpt_tokens(dist.get_rank(), step, cfg)
             engine.backward(_loss(engine(x)))
-            reference.run_backward(lambda x=x: _loss(ref_model(x)).backward())
+            reference.run_backward(lambda x=x, m=ref_model: _loss(m(x)).backward())
             assert_grads_match(model, reference, f"units, prefetch {prefetch}, step {step}")
             engine.step()
             reference.step()
