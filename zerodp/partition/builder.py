@@ -147,7 +147,7 @@ def build_layout(
         plans = plan_buckets([i for i in remaining if i.trainable], bucket_numel, persistent=True)
     ordered = sorted(
         [(plan, None) for plan in plans] + existing,
-        key=lambda pair: pair[0].last_index,
+        key=lambda pair: pair[0].reduction_key,
         reverse=True,
     )
     groups = []
