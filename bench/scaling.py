@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parts", default="world,psi,fit", help="which sweeps: world, psi, fit")
     p.add_argument("--json", metavar="PATH", help="also write every sweep's rows as JSON")
     p.add_argument("--plots", default="bench/results", metavar="DIR", help="PNG plots go here")
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="run nothing: print the tables and draw the plots of an earlier --json file",
+    )
     p.add_argument("--world-sizes", default="2,3,4")
     p.add_argument(
         "--engines",
@@ -241,18 +246,25 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     sweeps = {"world": world_sweep, "psi": psi_sweep, "fit": fit_sweep}
     tables = {"world": world_table, "psi": psi_table, "fit": fit_table}
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        args.json = None
     for part in args.part_list:
-        results[part] = sweeps[part](args, ds, notes)
+        if args.from_json and not results.get(part):
+            continue
+        if not args.from_json:
+            results[part] = sweeps[part](args, ds, notes)
         print(tables[part](results[part], args) + "\n", flush=True)
-    results["notes"] = notes
-    for note in notes:
+    results.setdefault("notes", notes)
+    for note in results["notes"]:
         print(f"note: {note}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         print(f"rows written to {args.json}")
     from bench._scaling_plots import write_plots
 
-    for path in write_plots(results, Path(args.plots)):
+    chosen = {part: results.get(part) for part in args.part_list}
+    for path in write_plots(chosen, Path(args.plots)):
         print(f"plot written to {path}")
     return 0
 
