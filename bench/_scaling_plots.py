@@ -63,18 +63,21 @@ def plot_psi(rows: list[dict[str, Any]], path: Path) -> None:
             )
         if line is not None and label.startswith("zerodp"):
             ideal = [r["ideal_model_state_bytes"] / _MIB for r in group]
-            ax_m.plot(ps, ideal, linestyle="--", color=line.get_color(), alpha=0.6)
+            ax_m.plot(ps, ideal, linestyle="--", color="black", linewidth=0.8, zorder=3)
         ax_t.plot(ps, [r["ratio_median"] for r in group], marker="o", label=label)
     ax_m.set(
         xscale="log",
         yscale="log",
         xlabel="parameters Ψ (millions)",
         ylabel="model state per rank (MiB)",
-        title="model state (dashed: ZeRO paper, same colour)",
+        title="model state (black dashes: ZeRO paper, per stage)",
     )
     ax_t.set(xscale="log", xlabel="parameters Ψ (millions)", ylabel="step time / DDP (median)")
     ax_t.set_title("step time vs DDP")
+    ticks = sorted({r["params"] / 1e6 for r in rows})
     for ax in (ax_m, ax_t):
+        ax.set_xticks(ticks, [f"{t:.2f}" for t in ticks])
+        ax.minorticks_off()
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
