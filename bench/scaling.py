@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,7 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--persistence-threshold", type=int, default=10_000, help="elements")
     p.add_argument("--prefetch-bucket-size", type=int, default=1_000_000, help="elements")
-    p.add_argument("--ds-python", default="/work/dsvenv/bin/python", help="has deepspeed")
+    p.add_argument(
+        "--ds-python",
+        default=os.environ.get("ZERODP_DS_PYTHON", sys.executable),
+        help="an interpreter that imports deepspeed (default $ZERODP_DS_PYTHON, else this one)",
+    )
     p.add_argument("--timeout", type=float, default=1200, help="seconds per job")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
