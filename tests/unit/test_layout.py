@@ -67,8 +67,8 @@ def test_buckets_respect_size_and_param_group_and_reverse_order() -> None:
         assert len({infos[i].param_group for i in plan.members}) == 1
         assert sum(infos[i].numel for i in plan.members) <= 20
     assert sorted(itertools.chain.from_iterable(p.members for p in plans)) == [0, 1, 2, 3, 4]
-    last = [p.last_index for p in plans]
-    assert last == sorted(last, reverse=True), "reduction order is reverse registration order"
+    first = [p.first_index for p in plans]
+    assert first == sorted(first, reverse=True), "reduction order is reverse registration order"
 
 
 def test_stage3_groups_large_params_by_module_and_buckets_small_ones() -> None:
@@ -78,6 +78,9 @@ def test_stage3_groups_large_params_by_module_and_buckets_small_ones() -> None:
     small = [p for p in plans if p.persistent]
     assert sorted(p.members for p in large) == [(0,), (2,), (4,)]
     assert sorted(itertools.chain.from_iterable(p.members for p in small)) == [1, 3]
+    # Reduced when complete: the small parameters' group (members 3 and 1) once parameter 1,
+    # the earliest, has its gradient, so after parameter 2's group and before parameter 0's.
+    assert [p.members for p in plans] == [(4,), (2,), (3, 1), (0,)]
 
 
 def _block() -> torch.nn.Module:
