@@ -94,6 +94,9 @@ class _WaitingThread:
                 watched.failed = error
             finally:
                 watched.done.set()
+                # Hold no work between items: a work still referenced from this (daemon)
+                # thread at interpreter exit outlives its process group and aborts the process.
+                del work, watched
 
 
 _HELPER = _WaitingThread()
