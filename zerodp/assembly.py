@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.accessors import FullStateAccessor
-from zerodp.backward.hooks import install_parameter_hooks, install_root_hooks
+from zerodp.backward.hooks import RootHooks, install_parameter_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer, GradStorage
 from zerodp.backward.step_gate import StepGate
@@ -91,6 +91,7 @@ class EngineParts:
     eigenvalue: EigenvalueMonitor | None
     training_dataloader: ZeroDataLoader | None
     handles: list[RemovableHandle]
+    root_hooks: RootHooks
     offload: OffloadPolicy
     offload_storage: OffloadStorage | None
 
@@ -173,7 +174,9 @@ def assemble(
     gate = StepGate(
         lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
     )
-    handles = _connect(module, groups, lifecycle, reducer, params, gate, policy, callbacks)
+    handles, root_hooks = _connect(
+        module, groups, lifecycle, reducer, params, gate, policy, callbacks
+    )
 
     train_state = TrainState()
     inner = _torch_optimizer(groups, specs, user_optimizer, config, host_step=offload)
@@ -229,6 +232,7 @@ def assemble(
         ),
         training_dataloader=_data_loader(training_data, collate_fn, config, comm),
         handles=handles,
+        root_hooks=root_hooks,
         offload=offload,
         offload_storage=storage,
     )
@@ -336,7 +340,7 @@ def _connect(
     gate: StepGate,
     policy: PrecisionPolicy,
     callbacks: EngineCallbacks,
-) -> list[RemovableHandle]:
+) -> tuple[list[RemovableHandle], RootHooks]:
     """Connect autograd to the lifecycle, the lifecycle to the reducer and the gate."""
 
     def prologue(task: Any) -> None:
@@ -353,7 +357,8 @@ def _connect(
         gate.on_task_abort(task)
 
     handles = install_parameter_hooks(groups.trainable, lifecycle, reducer)
-    handles += install_root_hooks(module, lifecycle, callbacks.on_forward_start)
+    root_hooks = RootHooks(module, lifecycle, callbacks.on_forward_start)
+    handles += root_hooks.handles
     if policy.mixed:
         handles.append(install_input_cast(module, policy.param_dtype))
     handles += [
@@ -362,7 +367,7 @@ def _connect(
         lifecycle.on_abort(abort),
         reducer.on_contributions_complete.connect(params.on_grads_complete),
     ]
-    return handles
+    return handles, root_hooks
 
 
 # -- the optimizer side ------------------------------------------------------------------
