@@ -59,6 +59,11 @@ class DeepSpeedRunner(Runner):
         import deepspeed
 
         _skip_shm_op_build()
+        leaf_classes = getattr(model, "leaf_classes", [])
+        if leaf_classes:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, leaf_classes)
         optimizer = settings.adamw(model.parameters())
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,

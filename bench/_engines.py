@@ -18,17 +18,26 @@ from torch import nn
 import zerodp
 from bench._measure import CollectiveCounter, counting_allreduce_hook, sharded_model_state_bytes
 from examples.gpt import GPT
+from examples.moe_gpt import MoEGPT
 from zerodp.monitor import ModelStateBytes, plain_model_state_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class LossModel(nn.Module):
-    """A GPT whose forward returns the loss: the whole step runs inside each engine's wrapper."""
+    """A GPT whose forward returns the loss: the whole step runs inside each engine's wrapper.
 
-    def __init__(self, gpt: GPT) -> None:
+    `leaf_classes`: the model's stage 3 leaf modules (the MoE layers of `examples.moe_gpt`),
+    marked by zerodp and DeepSpeed; DDP then looks for unused parameters (idle experts).
+    """
+
+    def __init__(self, gpt: GPT | MoEGPT) -> None:
         super().__init__()
         self.gpt = gpt
+
+    @property
+    def leaf_classes(self) -> list[type[nn.Module]]:
+        return list(getattr(type(self.gpt), "LEAF_CLASSES", ()))
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.gpt.loss(tokens, targets)
@@ -38,12 +47,14 @@ class LossModel(nn.Module):
 class EngineSpec:
     engine: str
     stage: int
+    check_order: bool = True  # zerodp stage 3's collective order check (off: "-nocheck")
 
     @property
     def label(self) -> str:
-        return (
+        base = (
             f"{self.engine}-{self.stage}" if self.engine in ("zerodp", "deepspeed") else self.engine
         )
+        return base if self.check_order else f"{base}-nocheck"
 
 
 ALL_SPECS: tuple[EngineSpec, ...] = (
@@ -53,7 +64,12 @@ ALL_SPECS: tuple[EngineSpec, ...] = (
     EngineSpec("zero_redundancy", 1),
     *(EngineSpec("deepspeed", s) for s in (1, 2, 3)),
 )
-ENGINE_CHOICES = "ddp, zerodp, zerodp0..zerodp3, fsdp2, zero_redundancy, deepspeed, deepspeed1..3"
+# Not in "all": zerodp stage 3 without its collective order check, to measure what it costs.
+UNCHECKED_SPEC = EngineSpec("zerodp", 3, check_order=False)
+ENGINE_CHOICES = (
+    "ddp, zerodp, zerodp0..zerodp3, zerodp3nocheck, fsdp2, zero_redundancy, deepspeed, "
+    "deepspeed1..3"
+)
 
 
 def parse_engines(text: str) -> list[EngineSpec]:
@@ -64,12 +80,14 @@ def parse_engines(text: str) -> list[EngineSpec]:
         if not name:
             continue
         matches = [s for s in ALL_SPECS if name in (s.engine, s.label.replace("-", ""))]
+        if name == UNCHECKED_SPEC.label.replace("-", ""):
+            matches = [UNCHECKED_SPEC]
         if name == "zro":
             matches = [s for s in ALL_SPECS if s.engine == "zero_redundancy"]
         if not matches:
             raise ValueError(f"unknown engine {raw.strip()!r}; choose from {ENGINE_CHOICES}")
         wanted.update(matches)
-    return [s for s in ALL_SPECS if s in wanted]
+    return [s for s in (*ALL_SPECS, UNCHECKED_SPEC) if s in wanted]
 
 
 @dataclass(frozen=True)
@@ -161,9 +179,11 @@ class ZeroDPRunner(Runner):
 
     def __init__(self, spec: EngineSpec, model: nn.Module, settings: TrainSettings) -> None:
         super().__init__(spec)
-        self.engine, _, _, _ = zerodp.initialize(
-            model=model, config=settings.zerodp_config(spec.stage)
-        )
+        config = settings.zerodp_config(spec.stage)
+        config["zero_optimization"]["stage3_check_order"] = spec.check_order
+        if isinstance(model, LossModel) and model.leaf_classes:
+            zerodp.zero.set_z3_leaf_modules(model, model.leaf_classes)
+        self.engine, _, _, _ = zerodp.initialize(model=model, config=config)
 
     def forward_backward(self, batch: Batch) -> None:
         self.engine.backward(self.engine(*batch))
@@ -251,7 +271,8 @@ def _ddp(model: nn.Module, device: torch.device, counter: CollectiveCounter) -> 
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type != "cpu" and device.index is not None else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids)
+    unused = isinstance(model, LossModel) and bool(model.leaf_classes)  # idle experts
+    ddp = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=unused)
     ddp.register_comm_hook(None, counting_allreduce_hook(counter))
     return ddp
 

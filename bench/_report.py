@@ -77,7 +77,7 @@ _COLUMNS = (
 
 def _cells(row: Row) -> list[str]:
     return [
-        row.spec.engine,
+        row.spec.engine if row.spec.check_order else f"{row.spec.engine} (no order check)",
         str(row.spec.stage),
         row.model,
         f"{row.params / 1e6:.2f}M",

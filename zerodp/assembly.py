@@ -58,6 +58,7 @@ from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.params.init import adopt_init_groups
+from zerodp.params.leaf import mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
 from zerodp.partition import FlatGroup
 from zerodp.partition.builder import ModelLayout, build_layout
@@ -157,6 +158,8 @@ def assemble(
         max_inflight_elements=zero.reduce_bucket_size,
         overlap_comm=zero.overlap_comm,
     )
+    leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
+    mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     params: ParamRuntime
     if strategy.shards_params:
         params = Stage3Runtime(
@@ -168,6 +171,8 @@ def assemble(
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
+            reducer=reducer,
+            check_order=zero.stage3_check_order,
         )
     else:
         params = ResidentParams(groups, comm, publish_after_step=strategy.gathers_params_after_step)
@@ -350,6 +355,7 @@ def _connect(
 
     def epilogue(task: Any) -> None:
         reducer.end_task()
+        params.after_backward()
         gate.on_task_end(task)
 
     def abort(task: Any) -> None:

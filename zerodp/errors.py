@@ -53,6 +53,14 @@ class LossScaleError(ZeroDPError):
     """fp16 gradients still overflow at the minimum loss scale."""
 
 
+class DivergenceError(ZeroDPError):
+    """Ranks issued different collectives at stage 3 (they ran different modules).
+
+    Raised on every rank with the same message, naming what each rank was doing; the
+    process group cannot be used afterwards (collectives are left waiting on it).
+    """
+
+
 class NonFiniteError(ZeroDPError, ArithmeticError):
     """A step's gradient norm is inf or NaN and the config says `"on_non_finite": "raise"`."""
 
@@ -74,6 +82,7 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
         UsageError,
         LifecycleError,
         ParamStateError,
+        DivergenceError,
         CheckpointError,
         CheckpointPathError,
         CheckpointStorageError,

@@ -26,13 +26,19 @@ contribution on this rank are still reduced (with zeros) at the task's end
 when the task produced any gradient at all: every rank must run the same
 backward calls over the same parameters, as with DDP. A task that produced no
 gradient (`torch.autograd.grad`) reduces and finalizes nothing.
+
+Groups inside a stage 3 leaf module (see [Note: leaf modules]) are held back
+(`hold_back`): however early their gradients are complete on this rank, they
+are launched only when `settle` says the leaf's backward is done, with zeros
+for parameters that got nothing (an expert no token was routed to), so every
+rank launches them at the same point between its parameter gathers.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -41,6 +47,7 @@ from zerodp.backward.buffers import BufferPool
 from zerodp.backward.exposure import ParamGradView
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm, Handle
+from zerodp.comm.order import CollectiveOrder
 from zerodp.errors import LifecycleError
 from zerodp.group import GradSync, GroupState, KeptGradient
 
@@ -96,6 +103,7 @@ class _RunningTask:
     contribution_scale: float  # multiplies contributions on their way in (fp16, see begin_task)
     has_contributions: bool = False
     next_launch: int = 0  # groups before this index have been launched in this task
+    unsettled: set[GroupState] = field(default_factory=set)  # held back until `settle`
 
 
 def _kept(state: GroupState) -> KeptGradient:
@@ -133,6 +141,8 @@ class GradientReducer:
         self._inflight: deque[_InFlight] = deque()
         self._inflight_elements = 0
         self._task = _RunningTask(is_boundary=False, contribution_scale=1.0)
+        self._held_back: frozenset[GroupState] = frozenset()
+        self.order: CollectiveOrder | None = None  # stage 3 checks its collectives' order
         self.param_grads = ParamGradView(states) if plan.expose_param_grads else None
 
     @property
@@ -148,7 +158,11 @@ class GradientReducer:
         that every kept gradient carries the same factor whichever way backward
         was called (see `mark_task_scaled`).
         """
-        self._task = _RunningTask(is_boundary=is_boundary, contribution_scale=contribution_scale)
+        self._task = _RunningTask(
+            is_boundary=is_boundary,
+            contribution_scale=contribution_scale,
+            unsettled=set(self._held_back),
+        )
         if self.param_grads is not None:
             self.param_grads.reclaim(self.plan.initial_sync)
         for state in self.states:
@@ -193,6 +207,29 @@ class GradientReducer:
         if kept.task.mark(position) and kept.task.complete:
             self._launch_ready()
             self.on_contributions_complete.emit(state)
+
+    def hold_back(self, states: frozenset[GroupState]) -> None:
+        """From the next task on, launch these groups only once `settle` names them."""
+        self._held_back = states
+
+    def settle(self, states: list[GroupState]) -> None:
+        """Every gradient these groups get in this task is in: launch them (zeros for the rest).
+
+        Groups not held back are left to the usual rule. In a task with no contribution
+        at all (`torch.autograd.grad`) nothing is reduced, as at the task's end.
+        """
+        task = self._task
+        settled = [s for s in states if s in task.unsettled]
+        if not settled:
+            return
+        task.unsettled.difference_update(settled)
+        if not task.has_contributions:
+            return
+        for state in settled:
+            progress = _kept(state).task
+            for position in range(len(progress.contributed)):
+                progress.mark(position)  # no gradient here: the bucket's zeros go in
+        self._launch_ready()
 
     def end_task(self) -> None:
         """Epilogue: reduce what the task left unreduced, wait for every reduction."""
@@ -276,7 +313,7 @@ class GradientReducer:
             if progress.launched:
                 task.next_launch += 1
                 continue
-            if not progress.complete:
+            if not progress.complete or state in task.unsettled:
                 return
             self._launch(state)
             task.next_launch += 1
@@ -292,22 +329,28 @@ class GradientReducer:
         self._zero_unwritten(kept, bucket)
         kept.task.bucket = None
         self._make_room(bucket.numel())
+        self._note(state)
+        # Always issued asynchronously: without overlap, _track waits for it at once, and the
+        # wait is zerodp's own (watched, see [Note: collective order]).
         if self.plan.reduces_whole_buffer:
-            handle = self.comm.all_reduce(bucket, async_op=self.overlap_comm)
+            handle = self.comm.all_reduce(bucket, async_op=True)
         else:
             start, end = state.flat.shard_range
-            handle = self.comm.reduce_scatter(bucket[start:end], bucket, async_op=self.overlap_comm)
+            handle = self.comm.reduce_scatter(bucket[start:end], bucket, async_op=True)
         self._track(_InFlight(state, _LaunchKind.BUCKET, handle, bucket))
 
     def _launch_in_place(self, state: GroupState) -> None:
         kept = _kept(state)
+        self._note(state)
         if self.plan.full_reduce is FullReduce.ALL_REDUCE:
-            handle = self.comm.all_reduce(kept.storage, async_op=self.overlap_comm)
+            handle = self.comm.all_reduce(kept.storage, async_op=True)
         else:
-            handle = self.comm.reduce_scatter(
-                kept.shard_of_storage(), kept.storage, async_op=self.overlap_comm
-            )
+            handle = self.comm.reduce_scatter(kept.shard_of_storage(), kept.storage, async_op=True)
         self._track(_InFlight(state, _LaunchKind.IN_PLACE, handle, None))
+
+    def _note(self, state: GroupState) -> None:
+        if self.order is not None:
+            self.order.note("reduce", state.order)
 
     def _track(self, inflight: _InFlight) -> None:
         self._inflight.append(inflight)

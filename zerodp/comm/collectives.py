@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
-from zerodp.errors import AGREED_TYPES, AgreedError
+from zerodp.comm.waiting import OnStall, wait_watched
+from zerodp.errors import AGREED_TYPES, AgreedError, ZeroDPError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -59,12 +60,21 @@ class CommStats:
 
 
 class Handle:
-    """An in-flight collective; `wait()` blocks until its result may be read."""
+    """An in-flight collective; `wait()` blocks until its result may be read.
 
-    __slots__ = ("_history", "_record", "_work")
+    With `on_stall`, a wait that lasts calls it every second (it may raise; see
+    `zerodp.comm.waiting`). `timed`: the work honours a timed wait (gloo's reduce-scatter
+    does not).
+    """
 
-    def __init__(self, work: Any = None) -> None:
+    __slots__ = ("_history", "_on_stall", "_record", "_timed", "_work")
+
+    def __init__(
+        self, work: Any = None, on_stall: OnStall | None = None, timed: bool = True
+    ) -> None:
         self._work = work
+        self._on_stall = on_stall
+        self._timed = timed
         self._record: CollectiveRecord | None = None
         self._history: CollectiveHistory | None = None
 
@@ -75,10 +85,13 @@ class Handle:
     def wait(self) -> None:
         if self._work is not None:
             try:
-                self._work.wait()
+                if self._on_stall is None:
+                    self._work.wait()
+                else:
+                    wait_watched(self._work, self._on_stall, timed=self._timed)
             except RuntimeError as error:
-                if self._history is None or self._record is None:
-                    raise
+                if self._history is None or self._record is None or isinstance(error, ZeroDPError):
+                    raise  # zerodp's own errors (a divergence found while waiting) pass through
                 raise self._history.failed(self._record, error) from error
             self._work = None
             if self._history is not None and self._record is not None:
@@ -100,6 +113,8 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.stats = CommStats()
+        # Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only).
+        self.on_stall: OnStall | None = None
         self.history = CollectiveHistory(self.rank)  # for errors that name the collective
 
     # -- tensors -----------------------------------------------------------------
@@ -111,7 +126,7 @@ class Comm:
         self.stats.record(CollectiveKind.ALL_REDUCE, _nbytes(tensor))
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall) if async_op else _DONE
 
     @recorded("reduce_scatter")
     def reduce_scatter(
@@ -132,7 +147,7 @@ class Comm:
             return _DONE
         self.stats.record(CollectiveKind.REDUCE_SCATTER, _nbytes(input))
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall, timed=False) if async_op else _DONE
 
     @recorded("all_gather")
     def all_gather(
@@ -150,7 +165,7 @@ class Comm:
             return _DONE
         self.stats.record(CollectiveKind.ALL_GATHER, _nbytes(output))
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall) if async_op else _DONE
 
     @recorded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
@@ -159,7 +174,7 @@ class Comm:
         self.stats.record(CollectiveKind.BROADCAST, _nbytes(tensor))
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
-        return Handle(work) if async_op else _DONE
+        return Handle(work, self.on_stall) if async_op else _DONE
 
     # -- decisions ---------------------------------------------------------------
 

@@ -132,6 +132,15 @@ def _betas(value: object) -> tuple[float, float]:
 Betas = Annotated[tuple[float, float], BeforeValidator(_betas)]
 
 
+def _str_list(value: object) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise reject("a list of strings")
+    return tuple(value)
+
+
+StrList = Annotated[tuple[str, ...], BeforeValidator(_str_list)]
+
+
 _S = TypeVar("_S", bound="Section")
 
 

@@ -24,6 +24,7 @@ from zerodp.config.fields import (
     PosInt,
     Section,
     Str,
+    StrList,
     choice,
     int_check,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "BF16Config",
     "EigenvalueConfig",
     "FP16Config",
+    "LeafModuleConfig",
     "MonitorConfig",
     "OptimizerConfig",
     "SGDParams",
@@ -61,6 +63,14 @@ def _null_is_empty(value: Any) -> Any:
     return "" if value is None else value
 
 
+class LeafModuleConfig(Section):
+    """`leaf_module`: stage 3 leaves by class name, module name (wildcards) or name suffix."""
+
+    classes: StrList = ()
+    names: StrList = ()
+    name_suffixes: StrList = ()
+
+
 class ZeroOptimizationConfig(Section):
     """The `zero_optimization` section: the stage and its tuning (not the whole config)."""
 
@@ -72,6 +82,8 @@ class ZeroOptimizationConfig(Section):
     stage3_max_live_parameters: PosInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: Bool = False
+    leaf_module: LeafModuleConfig = LeafModuleConfig()
+    stage3_check_order: Bool = True  # zerodp's: every rank issues stage 3 collectives alike
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
 

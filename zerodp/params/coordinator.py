@@ -14,7 +14,11 @@ backward lifecycle:
   once the gradients of all the group's parameters are accumulated; whatever
   is still gathered is released by the task's epilogue (or its abort);
 - a forward re-run inside backward (activation checkpointing) gathers but does
-  not release: the backward about to run needs the parameters.
+  not release: the backward about to run needs the parameters;
+- a leaf module (see [Note: leaf modules]) is one unit: its groups are those
+  of every module in its subtree, gathered when it is entered and released
+  when it is done, in forward and in backward; when its backward is done,
+  `settle` tells the reducer that its groups' gradients are all in.
 
 Only groups nobody holds are released. `live_numel` counts gathered
 elements (kept by `_count_in`/`_release`, the only places that change a
@@ -25,14 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from zerodp.backward import autograd_api
+from zerodp.comm.order import CollectiveOrder
 from zerodp.errors import ParamStateError
 from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
+from zerodp.params.leaf import LeafPlan
 from zerodp.params.prefetch import ExecutionTrace
 from zerodp.torch_internals import storage_key
 
@@ -56,6 +62,14 @@ def _same_tensor_view(param: torch.Tensor, value: Any) -> bool:
     )
 
 
+class LeafGradients(Protocol):
+    """The reducer, as leaf modules need it (see [Note: leaf modules])."""
+
+    def hold_back(self, states: frozenset[GroupState]) -> None: ...
+
+    def settle(self, states: list[GroupState]) -> None: ...
+
+
 def _gather_of(state: GroupState) -> GatherState:
     gather = state.gather
     if gather is None:  # pragma: no cover - the coordinator only holds sharded groups
@@ -74,6 +88,8 @@ class ParamCoordinator:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int = 0,
+        root: nn.Module | None = None,
+        gradients: LeafGradients | None = None,
     ) -> None:
         self.index = index
         self.states = index.sharded
@@ -82,6 +98,13 @@ class ParamCoordinator:
         self.max_reuse_distance = max_reuse_distance
         self._by_storage = {storage_key(s.flat.full): s for s in self.states}
         self._module_groups = {m: list(states) for m, states in module_groups.items()}
+        self.leaves = LeafPlan(
+            root if root is not None else nn.Module(),
+            self._module_groups,
+            on_change=gradients.hold_back if gradients is not None else None,
+        )
+        self._gradients = gradients
+        self.order: CollectiveOrder | None = None  # checks every gather's place, if set
         self._external: dict[nn.Module, list[GroupState]] = {}
         self._scopes: list[_Scope] = []
         self.live_numel = 0
@@ -98,12 +121,21 @@ class ParamCoordinator:
         return self._by_storage.get(key)
 
     def groups_of_module(self, module: nn.Module) -> list[GroupState]:
-        direct = self._module_groups.get(module, [])
+        """The groups gathered for `module`: its own (a leaf's whole subtree's), and those
+        of other modules it was seen using."""
+        if self.leaves.is_leaf(module):
+            direct = self.leaves.subtree_groups(module)
+        else:
+            direct = self._module_groups.get(module, [])
         external = self._external.get(module)
         return direct + external if external else direct
 
     def has_groups(self, module: nn.Module) -> bool:
-        return bool(self._module_groups.get(module) or self._external.get(module))
+        if self._external.get(module):
+            return True
+        if self.leaves.is_leaf(module):
+            return bool(self.leaves.subtree_groups(module))
+        return bool(self._module_groups.get(module))
 
     def reset_peak(self) -> None:
         self.peak_live_numel = self.live_numel
@@ -111,6 +143,8 @@ class ParamCoordinator:
     # -- forward -------------------------------------------------------------------
 
     def begin_forward(self) -> None:
+        if self.order is not None:
+            self.order.begin("forward")
         self.release_unheld()  # what a forward kept for a backward that never came
         self.forward_trace.begin_pass()
         self._backward_head = self._first_backward_groups()
@@ -131,6 +165,8 @@ class ParamCoordinator:
         for state in self.states:
             if not (backward_follows and self._keeps_for_backward(state, upcoming=[])):
                 self._release(state)
+        if self.order is not None:
+            self.order.end()
 
     def release_unheld(self) -> None:
         """Release every group nobody holds (before an optimizer step, for instance)."""
@@ -172,6 +208,8 @@ class ParamCoordinator:
     # -- backward ------------------------------------------------------------------
 
     def begin_backward(self) -> None:
+        if self.order is not None:
+            self.order.begin("backward")
         self.backward_trace.begin_pass()
 
     def pre_backward(self, module: nn.Module) -> None:
@@ -182,14 +220,29 @@ class ParamCoordinator:
         for state in self.groups_of_module(module):
             self._release_unless_reused(state, self.backward_trace)
 
+    def end_leaf_backward(self, leaf: nn.Module) -> None:
+        """The backward of leaf `leaf` is done: its groups' gradients are in, they can go."""
+        if self._gradients is not None:
+            self._gradients.settle(self.leaves.subtree_groups(leaf))
+        self.post_backward(leaf)
+
     def on_grads_complete(self, state: GroupState) -> None:
-        """Every parameter of `state` has its gradient for this task: it can go."""
-        if state.gather is not None:
+        """Every parameter of `state` has its gradient for this task: it can go.
+
+        Not a leaf's group: that is released when the leaf's backward is done, the same
+        point on every rank (a rank may complete a group early, another never).
+        """
+        if state.gather is not None and not self.leaves.in_a_leaf(state):
             self._release(state)
 
     def end_backward(self) -> None:
         self.backward_trace.end_pass()
         self.release_unheld()
+
+    def end_backward_order(self) -> None:
+        """The task's last collective (the reducer's, at its end) is issued: the pass is over."""
+        if self.order is not None:
+            self.order.end()
 
     def abort(self) -> None:
         """A forward or backward died part-way: release everything, forget all scopes."""
@@ -197,6 +250,8 @@ class ParamCoordinator:
         for state in self.states:
             _gather_of(state).drop_holds()
         self.release_unheld()
+        if self.order is not None:
+            self.order.abandon()
 
     # -- gathering on use ------------------------------------------------------------
 
@@ -268,8 +323,7 @@ class ParamCoordinator:
     def _gather(self, state: GroupState, trace: ExecutionTrace[GroupState] | None) -> None:
         gather = _gather_of(state)
         if gather.status is ParamStatus.NOT_AVAILABLE:
-            self._count_in(gather)
-            gather.to_inflight()
+            self._issue(state, gather)
         upcoming = trace.request(state) if trace is not None else []
         if upcoming:
             self._prefetch(upcoming)
@@ -296,8 +350,7 @@ class ParamCoordinator:
                 continue
             if self.live_numel + gather.numel > self.max_live_numel:
                 return
-            self._count_in(gather)
-            gather.to_inflight()
+            self._issue(state, gather)
             self.num_prefetched += 1
 
     def _keeps_for_backward(self, state: GroupState, upcoming: list[GroupState]) -> bool:
@@ -343,6 +396,13 @@ class ParamCoordinator:
         gather = _gather_of(state)
         if gather.release_if_unused():
             self.live_numel -= gather.numel
+
+    def _issue(self, state: GroupState, gather: GatherState) -> None:
+        """Start gathering `state` (its place in the collective order checked first)."""
+        if self.order is not None:
+            self.order.note("gather", state.order)
+        self._count_in(gather)
+        gather.to_inflight()
 
     def _count_in(self, gather: GatherState) -> None:
         self.live_numel += gather.numel

@@ -8,6 +8,9 @@
   multi-grad hook on the outputs marks the module's pre-backward.
 - the root module also installs the saved-tensor hooks for the forward and
   ends the forward pass (releasing prefetched groups nobody used).
+- a leaf module (see [Note: leaf modules]) gathers its whole subtree; while it
+  runs, no hook of a module inside it does anything. Its inputs pass through
+  `LeafEntry`, whose backward ends the leaf's backward.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from zerodp._tree import grad_tensors_in
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.leaf import enter_leaf
 from zerodp.params.saved_tensors import SavedTensorGatherer
 
 
@@ -40,8 +44,10 @@ class Stage3ModuleHooks:
         self.lifecycle = lifecycle
         self.saved_tensors = saved_tensors
         self._root_pushed: list[bool] = []
+        self._active_leaves: list[nn.Module] = []  # leaves whose forward is running, innermost last
         self._pre_backward = lifecycle.hook(coordinator.pre_backward)
         self._post_backward = lifecycle.hook(coordinator.post_backward)
+        self._end_leaf_backward = lifecycle.hook(coordinator.end_leaf_backward)
 
     def install(self) -> list[RemovableHandle]:
         handles = []
@@ -55,12 +61,24 @@ class Stage3ModuleHooks:
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        if module is self.root and not autograd_api.in_backward():
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        starts_forward = module is self.root and not autograd_api.in_backward()
+        if starts_forward:
+            self._active_leaves.clear()  # left by a forward that died inside a leaf
+        elif self._active_leaves:
+            return None  # inside a leaf: its whole subtree is gathered already
+        if starts_forward:
             self._root_pushed.append(self.saved_tensors.push_if_possible())
             self.coordinator.begin_forward()
         self.coordinator.pre_forward(module)
+        leaf = self.coordinator.leaves.is_leaf(module)
+        if leaf:
+            self._active_leaves.append(module)
         if torch.is_grad_enabled() and self.coordinator.has_groups(module):
+            if leaf:
+                entered = enter_leaf(args, kwargs, lambda: self._end_leaf_backward(module))
+                if entered is not None:
+                    return entered
             inputs = grad_tensors_in((args, kwargs))
             if inputs:
                 # "all" waits for every input's gradient; autograd.grad cannot track leaf
@@ -69,13 +87,19 @@ class Stage3ModuleHooks:
                 mode: Literal["any", "all"] = (
                     "any" if any(t.grad_fn is None for t in inputs) else "all"
                 )
+                end = self._end_leaf_backward if leaf else self._post_backward
                 torch.autograd.graph.register_multi_grad_hook(
-                    inputs, lambda grads: self._post_backward(module), mode=mode
+                    inputs, lambda grads: end(module), mode=mode
                 )
+        return None
 
     def _post_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
+        if self._active_leaves:
+            if module is not self._active_leaves[-1]:
+                return  # a module inside the running leaf
+            self._active_leaves.pop()
         self.coordinator.post_forward(module)
         if output is not None and torch.is_grad_enabled() and self.coordinator.has_groups(module):
             outputs = grad_tensors_in(output)

@@ -16,10 +16,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.backward.lifecycle import BackwardLifecycle
+from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
+from zerodp.comm.order import CollectiveOrder
 from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.divergence import DivergenceExplainer
 from zerodp.params.module_hooks import Stage3ModuleHooks
 from zerodp.params.saved_tensors import SavedTensorGatherer
 
@@ -52,6 +55,9 @@ class ResidentParams:
     def on_grads_complete(self, state: GroupState) -> None:
         """Nothing to release once a group's gradients are in."""
 
+    def after_backward(self) -> None:
+        """Nothing is checked at stages 0-2 (reductions are in one fixed order)."""
+
     def publish_after_step(self) -> None:
         if self._publishes:
             all_gather_full(self.index.trainable, self.comm)
@@ -74,6 +80,8 @@ class Stage3Runtime:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        reducer: GradientReducer | None = None,
+        check_order: bool = True,
     ) -> None:
         self.index = index
         self.comm = comm
@@ -92,7 +100,19 @@ class Stage3Runtime:
             prefetch_numel=prefetch_numel,
             max_live_numel=max_live_numel,
             max_reuse_distance=max_reuse_distance,
+            root=root,
+            gradients=reducer,
         )
+        self.order: CollectiveOrder | None = None
+        if check_order and comm.world_size > 1:
+            explainer = DivergenceExplainer(root, index)
+            on_cpu = all(s.flat.device.type == "cpu" for s in index)
+            self.order = CollectiveOrder(
+                comm, describe=explainer.describe, advise=explainer.advise, watch_waits=on_cpu
+            )
+            self.coordinator.order = self.order
+            if reducer is not None:
+                reducer.order = self.order
         self.saved_tensors = SavedTensorGatherer(self.coordinator, lifecycle)
         self._handles: list[RemovableHandle] = Stage3ModuleHooks(
             root, self.coordinator, lifecycle, self.saved_tensors
@@ -121,6 +141,10 @@ class Stage3Runtime:
     def on_grads_complete(self, state: GroupState) -> None:
         self.coordinator.on_grads_complete(state)
 
+    def after_backward(self) -> None:
+        """A task's epilogue is over, its reductions too: its collective order is complete."""
+        self.coordinator.end_backward_order()
+
     def publish_after_step(self) -> None:
         """Release what may go, then refresh every trainable group still gathered.
 
@@ -136,7 +160,13 @@ class Stage3Runtime:
         all_gather_full(resident, self.comm)
 
     def teardown(self) -> None:
-        """Gather everything and leave plain, whole parameters behind."""
+        """Gather everything and leave plain, whole parameters behind.
+
+        Not after a `DivergenceError`: no collective can be trusted then, so it is raised
+        again and the parameters stay sharded.
+        """
+        if self.order is not None and self.order.failed:
+            self.order.raise_if_failed()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -71,7 +71,12 @@ class ReferenceDP:
         self.collect()
 
     def collect(self) -> None:
-        """Average the contributions now in `.grad` over ranks; add them to the kept gradients."""
+        """Average the contributions now in `.grad` over ranks; add them to the kept gradients.
+
+        A parameter that got a gradient on some ranks only (an expert no token was routed
+        to here) contributes zeros on the others; one that got none anywhere is left alone.
+        """
+        self._zeros_where_others_have_grads()
         for param in self.params:
             if param.grad is None:
                 continue
@@ -85,6 +90,18 @@ class ReferenceDP:
                 local /= self.world_size
             self.grads[id(param)] += local
             param.grad = None
+
+    def _zeros_where_others_have_grads(self) -> None:
+        if self.world_size == 1 or not self.params:
+            return
+        device = self.params[0].device
+        has_grad = torch.tensor(
+            [p.grad is not None for p in self.params], dtype=torch.int32, device=device
+        )
+        dist.all_reduce(has_grad)
+        for param, count in zip(self.params, has_grad.tolist(), strict=True):
+            if count and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
     def reduce_local(self) -> None:
         """Average the locally summed contributions over ranks (the boundary's reduction)."""

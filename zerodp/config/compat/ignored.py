@@ -427,11 +427,6 @@ IGNORED: tuple[Ignored, ...] = (
         "zerodp has no Muon optimizer and no NVMe offload",
     ),
     Ignored(
-        "zero_optimization.leaf_module",
-        block(classes=LIST, names=LIST, name_suffixes=LIST),
-        "zerodp has no leaf-module setting",
-    ),
-    Ignored(
         "zero_optimization.ignore_unused_parameters",
         BOOL,
         "zerodp trains models with unused parameters",
