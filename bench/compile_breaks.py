@@ -20,6 +20,7 @@ around dynamo's recompile-reason lookup.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -66,10 +67,10 @@ class RecompileCounter:
         convert_frame.get_and_maybe_log_recompilation_reasons = self._original
 
 
-def build(stage: int, recipe: str, backend: str, fullgraph: bool) -> Any:
+def build(stage: int, recipe: str, args: argparse.Namespace, fullgraph: bool) -> Any:
     torch.manual_seed(0)
-    model = LossModel(GPT(CFG)).to(default_device())
-    options: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph}
+    model = LossModel(GPT(args.cfg)).to(default_device())
+    options: dict[str, Any] = {"backend": args.backend, "fullgraph": fullgraph}
     if recipe == "wrapper":
         model = torch.compile(model, **options)  # type: ignore[assignment]
     elif recipe == "blocks":
@@ -98,13 +99,14 @@ def snapshot(recompiles: RecompileCounter) -> tuple[int, int, int]:
 def run_cell(stage: int, recipe: str, args: argparse.Namespace, fullgraph: bool) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
-    engine = build(stage, recipe, args.backend, fullgraph)
+    engine = build(stage, recipe, args, fullgraph)
+    cfg = args.cfg
     generator = torch.Generator().manual_seed(dist.get_rank())
     result: dict[str, Any] = {}
     try:
         with RecompileCounter() as recompiles:
             for step in range(args.steps):
-                tokens = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=generator)
+                tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=generator)
                 tokens = tokens.to(default_device())
                 engine.backward(engine(tokens, tokens))
                 engine.step()
@@ -126,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", default="wrapper,in_place,blocks")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--backend", default="aot_eager")
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--reasons", action="store_true", help="print the break reasons")
     args = parser.parse_args(argv)
+    args.cfg = dataclasses.replace(CFG, n_layer=args.layers)
     ensure_process_group()
     rows = []
     for stage in (int(s) for s in args.stages.split(",")):
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  stage {stage} {recipe} recompile: {reason[:160]!r}", flush=True)
     if dist.get_rank() == 0:
         print(
-            f"backend {args.backend}, {args.steps} steps, GPT {CFG.n_layer} layers; "
+            f"backend {args.backend}, {args.steps} steps, GPT {args.cfg.n_layer} layers; "
             f"warm-up = first {WARMUP_STEPS} steps"
         )
         header = "stage recipe    breaks graphs recompiles(warm-up/steady) fullgraph=True"

@@ -31,6 +31,7 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer, GradStorage
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
+from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.group import (
@@ -162,6 +163,7 @@ def assemble(
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     params: ParamRuntime
     if strategy.shards_params:
+        prepare_stage3(module, config.compile)  # compiled blocks are leaves: marked before hooks
         params = Stage3Runtime(
             module,
             groups,
@@ -182,6 +184,7 @@ def assemble(
     handles, root_hooks = _connect(
         module, groups, lifecycle, reducer, params, gate, policy, callbacks
     )
+    apply_compile(module, config.compile, zero.stage)
 
     train_state = TrainState()
     inner = _torch_optimizer(groups, specs, user_optimizer, config, host_step=offload)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zerodp.group import GroupState
+from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.torch_internals import PlainTensorOps, is_noop_to
 
 # What to do once an operation has run: gets its result, returns what the caller sees.
@@ -173,6 +174,21 @@ def _dispatch(
     return result
 
 
+_eager_dispatch = run_eagerly(_dispatch)
+
+
+def _traced_dispatch(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
+) -> Any:
+    """`_dispatch` as a graph being traced by torch.compile sees it: inside a running unit
+    the parameters are gathered, so the operation is traced on them as they are; outside,
+    it runs eagerly, gathering on use (see [Note: stage 3 under torch.compile])."""
+    if UnitDepth.value:
+        with PlainTensorOps():
+            return func(*args, **(kwargs or {}))
+    return _eager_dispatch(func, args, kwargs)
+
+
 class ZeroParameter(nn.Parameter):
     """A sharded stage 3 parameter (see the module docstring)."""
 
@@ -184,6 +200,8 @@ class ZeroParameter(nn.Parameter):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if torch.compiler.is_compiling():
+            return _traced_dispatch(func, args, kwargs)
         return _dispatch(func, args, kwargs)
 
 
