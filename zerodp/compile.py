@@ -44,7 +44,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def _inner(module: nn.Module) -> nn.Module:
-    return module._orig_mod if isinstance(module, _COMPILED) else module  # type: ignore[return-value]
+    return module._orig_mod if isinstance(module, _COMPILED) else module
 
 
 def compiled_units(model: nn.Module) -> list[nn.Module]:
@@ -52,7 +52,9 @@ def compiled_units(model: nn.Module) -> list[nn.Module]:
     itself, and the blocks of a model compiled whole."""
     # A block compiled by itself is the unit as its wrapper: the wrapper's hooks run outside
     # dynamo, its `_orig_mod`'s inside (see [Note: stage 3 under torch.compile]).
-    units = [m for m in model.modules() if isinstance(m, _COMPILED) and m is not model]
+    units: list[nn.Module] = [
+        m for m in model.modules() if isinstance(m, _COMPILED) and m is not model
+    ]
     if isinstance(model, _COMPILED):
         wrapped = [_inner(u) for u in units]
         units += [b for b in repeated_blocks(_inner(model)) if b not in units + wrapped]
@@ -90,7 +92,5 @@ def apply_compile(model: nn.Module, config: CompileConfig, stage: int) -> list[n
     targets = _blocks_or_error(model) if compiles_per_block(config, stage) else [_inner(model)]
     options: dict[str, Any] = dict(config.kwargs)
     for module in targets:
-        module.forward = torch.compile(  # type: ignore[method-assign]
-            module.forward, backend=config.backend, **options
-        )
+        module.forward = torch.compile(module.forward, backend=config.backend, **options)
     return targets
