@@ -8,7 +8,9 @@ the second, as a user would write them):
 
 - wrapper: `torch.compile(model)` (the module's own hooks run outside the graph);
 - in_place: `model.compile()` (the module's hooks are traced with its forward);
-- blocks: `torch.compile(block)` for every transformer block, as torchtitan does with FSDP2.
+- blocks: `torch.compile(block)` for every transformer block, as torchtitan does with FSDP2;
+- config_blocks, config_model: zerodp's `compile` config block, per block or whole model
+  (not on main before this work: there the block was refused).
 
 Each cell runs once with fullgraph=False, counting graph breaks, distinct graphs, and
 recompiles (a frame compiled again because a guard failed) after the first two steps
@@ -82,6 +84,13 @@ def build(stage: int, recipe: str, args: argparse.Namespace, fullgraph: bool) ->
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
     }
+    if recipe.startswith("config_"):  # zerodp's compile block: per block, or the whole model
+        config["compile"] = {
+            "enabled": True,
+            "backend": args.backend,
+            "kwargs": {"fullgraph": fullgraph},
+            "per_block": recipe == "config_blocks",
+        }
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     if recipe == "in_place":
         engine.module.compile(**options)
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             f"backend {args.backend}, {args.steps} steps, GPT {args.cfg.n_layer} layers; "
             f"warm-up = first {WARMUP_STEPS} steps"
         )
-        header = "stage recipe    breaks graphs recompiles(warm-up/steady) fullgraph=True"
+        header = "stage recipe        breaks graphs recompiles(warm-up/steady) fullgraph=True"
         print(header)
         for stage, recipe, free, strict in rows:
             if "error" in free:
@@ -158,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 (_, _, warm_re), (breaks, graphs, end_re) = free["warm"], free["end"]
                 cells = f"{breaks:6d} {graphs:6d} {warm_re:12d}/{end_re - warm_re:<12d}"
             strict_cell = strict.get("error", "ok")
-            print(f"{stage:5d} {recipe:9s} {cells} {strict_cell}")
+            print(f"{stage:5d} {recipe:13s} {cells} {strict_cell}")
     destroy_process_group_if_owned()
     return 0
 

@@ -70,7 +70,7 @@ def plain_run(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -90,7 +90,7 @@ def zerodp_run(
         loss = _loss(engine, tokens.to(default_device()))
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     params = dict(engine.module.named_parameters())
     with GatheredParameters(list(params.values())):
         weights = {n: p.detach().clone() for n, p in params.items()}
