@@ -100,6 +100,7 @@ class TrainSettings:
     persistence_threshold: int
     prefetch_bucket_size: int
     dtype: str = "fp32"
+    unit_numel: int = 0  # zerodp's stage3_unit_numel (FSDP2's per-block units, chosen by size)
 
     @property
     def bf16(self) -> bool:
@@ -121,7 +122,8 @@ class TrainSettings:
         return {
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "optimizer": {"type": "AdamW", "params": {"lr": self.lr, "weight_decay": 0.0}},
-            "zero_optimization": self.zero_section(stage),
+            "zero_optimization": self.zero_section(stage)
+            | ({"stage3_unit_numel": self.unit_numel} if self.unit_numel else {}),
             **self.precision_section(),
         }
 

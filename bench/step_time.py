@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import statistics
 import sys
@@ -59,9 +60,26 @@ MODELS: dict[str, GPTConfig] = {
     "moe": MoEGPTConfig(
         vocab_size=8192, seq_len=128, n_layer=4, n_head=4, d_model=256, d_expert=512
     ),
+    # Not in the default --models: many tiny blocks, so that each engine's own work per
+    # module (hooks, gather bookkeeping, one small collective at a time) dominates the step,
+    # as it does on an accelerator where a block's compute takes microseconds.
+    "narrow": GPTConfig(vocab_size=512, seq_len=16, n_layer=48, n_head=2, d_model=32),
 }
 # (steps per repeat, repeats) when not given: a few minutes in all on two CPU cores.
-DEFAULT_SCHEDULE: dict[str, tuple[int, int]] = {"small": (2, 5), "medium": (1, 3), "moe": (1, 3)}
+DEFAULT_SCHEDULE: dict[str, tuple[int, int]] = {
+    "small": (2, 5),
+    "medium": (1, 3),
+    "moe": (1, 3),
+    "narrow": (4, 6),
+}
+# Settings a model has of its own unless given on the command line: the narrow model shards
+# everything (persistence threshold 0) at a micro-batch of 4.
+MODEL_DEFAULTS: dict[str, dict[str, int]] = {
+    "narrow": {"micro_batch": 4, "persistence_threshold": 0},
+}
+GENERIC_DEFAULTS: dict[str, int] = {"micro_batch": 8, "persistence_threshold": 10_000}
+# Engines whose per-block cost the "per-module cost" line reports (stage 3 ones).
+PER_MODULE_ENGINES = ("zerodp-3", "zerodp-3-nocheck", "fsdp2", "deepspeed-3")
 # Engines that cannot train the MoE model as it is (FSDP2 wraps whole blocks only here).
 MOE_UNSUPPORTED = ("fsdp2",)
 _START = time.perf_counter()
@@ -88,16 +106,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--models", default="small,medium", help=f"from {', '.join(MODELS)}")
     p.add_argument("--engines", default="all", help=f"'all' or from: {ENGINE_CHOICES}")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument(
+        "--micro-batch", type=int, help="sequences per rank per step (default 8; narrow 4)"
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--reduce-bucket-size", type=int, default=2_000_000, help="elements")
-    p.add_argument("--persistence-threshold", type=int, default=10_000, help="stage 3, elements")
+    p.add_argument(
+        "--persistence-threshold", type=int, help="stage 3, elements (default 10000; narrow 0)"
+    )
     p.add_argument("--prefetch-bucket-size", type=int, default=1_000_000, help="stage 3, elements")
+    p.add_argument(
+        "--unit-numel",
+        type=int,
+        default=100_000,
+        help="zerodp stage3_unit_numel: modules this small are gathered as one unit (0: off)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument(
-        "--profile-stage3", metavar="PATH", help="profile one zerodp stage 3 step (small model)"
+        "--profile-stage3", metavar="PATH", help="profile one zerodp stage 3 step on rank 0"
     )
+    p.add_argument("--profile-model", default="small", help="the model --profile-stage3 uses")
     args = p.parse_args(argv)
     for name in ("steps", "repeats"):
         value = getattr(args, name)
@@ -192,6 +221,7 @@ def bench_model(
     """Build every engine on one model, warm up, measure bytes, then time them interleaved."""
     device = default_device()
     cfg = MODELS[name]
+    settings = settings_for(name, settings, args)
     steps, repeats = DEFAULT_SCHEDULE[name]
     steps, repeats = args.steps or steps, args.repeats or repeats
     base = build_model(cfg, args.seed)
@@ -234,25 +264,83 @@ def bench_model(
     return rows
 
 
+def settings_for(model: str, base: TrainSettings, args: argparse.Namespace) -> TrainSettings:
+    """`base` with the model's own micro-batch and persistence threshold, unless given."""
+    chosen = {
+        key: getattr(args, key)
+        if getattr(args, key) is not None
+        else MODEL_DEFAULTS.get(model, {}).get(key, default)
+        for key, default in GENERIC_DEFAULTS.items()
+    }
+    return dataclasses.replace(base, **chosen)
+
+
+# Functions whose calls per step the profile counts (file suffix, function name).
+PROFILE_COUNTED = (
+    ("zero_parameter.py", "__torch_function__"),
+    ("module_hooks.py", "_pre_forward"),
+    ("module_hooks.py", "_post_forward"),
+    ("coordinator.py", "pre_backward"),
+    ("coordinator.py", "post_backward"),
+    ("saved_tensors.py", "pack"),
+    ("saved_tensors.py", "_unpack"),
+    ("reducer.py", "contribute"),
+    ("gather.py", "to_inflight"),
+    ("reducer.py", "_launch"),
+)
+
+
 def profile_stage3(path: str, settings: TrainSettings, args: argparse.Namespace) -> None:
-    """One zerodp stage 3 step of the small model under torch.profiler on rank 0."""
-    from torch.profiler import ProfilerActivity, profile
+    """One zerodp stage 3 step under cProfile on rank 0: the top entries and call counts.
+
+    Written to `path`: counts per step of the engine's hot entry points (its
+    `__torch_function__`, module hooks, saved-tensor hooks, gathers and
+    reductions), the collectives of the step by kind, then the top 30 functions
+    by own time.
+    """
+    import cProfile
+    import io
+    import pstats
 
     device = default_device()
-    cfg = MODELS["small"]
+    model = args.profile_model
+    if model not in MODELS:
+        raise SystemExit(f"--profile-model {model!r}: choose from {', '.join(MODELS)}")
+    cfg = MODELS[model]
+    settings = settings_for(model, settings, args)
     batches = make_batches(cfg, settings.micro_batch, max(args.warmup, 1), args.seed, device)
     runner = ZeroDPRunner(EngineSpec("zerodp", 3), build_model(cfg, args.seed).to(device), settings)
     try:
         run_steps(runner, batches, args.warmup)
+        stats = runner.engine.comm.stats
+        stats.reset()
         dist.barrier()
+        profiler = cProfile.Profile()
         if is_rank0():
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
-                runner.train_step(batches[0])
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            Path(path).write_text(table + "\n", encoding="utf-8")
-            print(f"stage 3 profile (small model, rank 0) written to {path}")
-        else:
-            runner.train_step(batches[0])
+            profiler.enable()
+        start = time.perf_counter()
+        runner.train_step(batches[0])
+        elapsed = time.perf_counter() - start
+        if is_rank0():
+            profiler.disable()
+            table = pstats.Stats(profiler)
+            lines = [
+                f"zerodp stage 3, model {model}, one step on rank 0 under cProfile "
+                f"({elapsed * 1e3:.0f} ms with the profiler on)",
+                "calls per step:",
+            ]
+            for (file, _, func), (_, ncalls, *_rest) in table.stats.items():  # type: ignore[attr-defined]
+                for suffix, name in PROFILE_COUNTED:
+                    if file.endswith(suffix) and func == name:
+                        lines.append(f"  {suffix}:{name}  {ncalls}")
+            for kind, entry in sorted(stats.snapshot().items()):
+                lines.append(f"  collective {kind}: {entry}")
+            out = io.StringIO()
+            ordered = pstats.Stats(profiler, stream=out).sort_stats("tottime")
+            ordered.print_stats(30)
+            ordered.print_callers(r"zero_parameter.py.*__torch_function__")
+            Path(path).write_text("\n".join(lines) + "\n\n" + out.getvalue(), encoding="utf-8")
+            print(f"stage 3 profile ({model} model, rank 0) written to {path}")
     finally:
         runner.close()
 
@@ -281,6 +369,40 @@ def order_check_cost(rows: list[Row]) -> list[str]:
     return lines
 
 
+def per_module_cost(rows: list[Row]) -> list[str]:
+    """(stage 3 engine's step - DDP's step) / blocks, in microseconds, per model.
+
+    What each stage 3 engine adds per transformer block: its hooks, gather and
+    release bookkeeping and the block's collectives. From the medians, and from
+    the median of per-repeat differences (repeat i of both ran side by side).
+    """
+    lines = []
+    for model in dict.fromkeys(r.model for r in rows):
+        by_label = {r.spec.label: r for r in rows if r.model == model}
+        ddp = by_label.get("ddp")
+        if ddp is None:
+            continue
+        blocks = MODELS[model].n_layer
+        parts = []
+        for label in PER_MODULE_ENGINES:
+            row = by_label.get(label)
+            if row is None:
+                continue
+            paired = statistics.median(
+                a - b for a, b in zip(row.samples_s, ddp.samples_s, strict=True)
+            )
+            parts.append(
+                f"{label} {(row.median_s - ddp.median_s) / blocks * 1e6:.0f} "
+                f"(paired {paired / blocks * 1e6:.0f})"
+            )
+        if parts:
+            lines.append(
+                f"per-module cost ({model}, {blocks} blocks), (step - DDP step) / blocks, "
+                f"us: " + ", ".join(parts)
+            )
+    return lines
+
+
 def header(args: argparse.Namespace, settings: TrainSettings, notes: list[str]) -> str:
     device = default_device()
     models = ", ".join(
@@ -292,12 +414,17 @@ def header(args: argparse.Namespace, settings: TrainSettings, notes: list[str]) 
         f"zerodp {zerodp.__version__} step-time benchmark",
         f"torch {torch.__version__}, world size {dist.get_world_size()}, device {device.type}, "
         f"backend {dist.get_backend()}, intra-op threads per rank {torch.get_num_threads()}",
-        f"dtype {args.dtype}, AdamW lr {settings.lr} weight_decay 0.0, micro-batch "
-        f"{settings.micro_batch} per rank, warmup {args.warmup}, seed {args.seed}",
+        f"dtype {args.dtype}, AdamW lr {settings.lr} weight_decay 0.0, warmup {args.warmup}, "
+        f"seed {args.seed}",
         f"models: {models}",
         f"zero_optimization: reduce_bucket_size {settings.reduce_bucket_size}, overlap_comm "
-        f"True, stage3_param_persistence_threshold {settings.persistence_threshold}, "
-        f"stage3_prefetch_bucket_size {settings.prefetch_bucket_size}",
+        f"True, stage3_prefetch_bucket_size {settings.prefetch_bucket_size}, zerodp "
+        f"stage3_unit_numel {settings.unit_numel}",
+        *(
+            f"{m}: micro-batch {s.micro_batch} per rank, stage3_param_persistence_threshold "
+            f"{s.persistence_threshold}"
+            for m, s in ((m, settings_for(m, settings, args)) for m in _split(args.models))
+        ),
         *(f"note: {n}" for n in notes),
     ]
     return "\n".join(lines)
@@ -308,12 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     settings = TrainSettings(
-        micro_batch=args.micro_batch,
+        micro_batch=GENERIC_DEFAULTS["micro_batch"],
         lr=args.lr,
         reduce_bucket_size=args.reduce_bucket_size,
-        persistence_threshold=args.persistence_threshold,
+        persistence_threshold=GENERIC_DEFAULTS["persistence_threshold"],
         prefetch_bucket_size=args.prefetch_bucket_size,
         dtype=args.dtype,
+        unit_numel=args.unit_numel,
     )
     ensure_process_group()
     try:
@@ -332,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         fill_ratios(rows)
         if is_rank0():
             print("\n" + format_table(rows) + "\n" + FOOTNOTE, flush=True)
-            for line in order_check_cost(rows):
+            for line in order_check_cost(rows) + per_module_cost(rows):
                 print(line, flush=True)
             if args.json:
                 write_json(args.json, rows, dist.get_world_size())

@@ -59,7 +59,7 @@ from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.params.init import adopt_init_groups
-from zerodp.params.leaf import mark_from_config
+from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
 from zerodp.partition import FlatGroup
 from zerodp.partition.builder import ModelLayout, build_layout
@@ -126,6 +126,8 @@ def assemble(
     lifecycle = BackwardLifecycle()
     specs = resolve_param_groups(module, model_parameters, user_optimizer)
 
+    leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
+    mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     layout = _lay_out(module, config, comm, device, strategy, specs)
     _sync_from_rank0(module, layout, comm, device)
     offload = OffloadPolicy.from_config(zero, device)
@@ -159,8 +161,6 @@ def assemble(
         max_inflight_elements=zero.reduce_bucket_size,
         overlap_comm=zero.overlap_comm,
     )
-    leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
-    mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     params: ParamRuntime
     if strategy.shards_params:
         prepare_stage3(module, config.compile)  # compiled blocks are leaves: marked before hooks
@@ -276,6 +276,8 @@ def _lay_out(
         persistence_threshold=zero.stage3_param_persistence_threshold,
         owns_full=strategy.optimizer_owns_full_group,
         presharded=presharded,
+        unit_numel=zero.stage3_unit_numel,
+        unit_excluded=set(leaf_modules(module)),
     )
 
 

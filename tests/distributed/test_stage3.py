@@ -48,12 +48,14 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def structure_parity(structure: str, threshold: int, steps: int = 3) -> None:
+def structure_parity(
+    structure: str, threshold: int, steps: int = 3, zero: dict[str, int] | None = None
+) -> None:
     model_class, inputs = STRUCTURES[structure]
     torch.manual_seed(0)
     model = model_class()
     ref_model = copy.deepcopy(model)
-    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=threshold)
+    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=threshold, zero=zero)
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
     rank = dist.get_rank()
@@ -79,6 +81,54 @@ def structure_parity(structure: str, threshold: int, steps: int = 3) -> None:
 @pytest.mark.parametrize("structure", list(STRUCTURES))
 def test_structures_match_reference(pools, structure: str, threshold: int, world_size: int):
     pools(world_size).run(structure_parity, structure, threshold)
+
+
+# -- units (stage3_unit_numel) ----------------------------------------------------------------
+
+
+def gpt_tokens(rank: int, step: int, cfg: TinyGPTConfig) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(cfg.vocab_size, (3, cfg.seq_len), generator=gen)
+
+
+def units_match_reference() -> None:
+    """Units change how parameters are grouped and gathered, never what training computes."""
+    for structure in STRUCTURES:  # every module below the root with a forward: one unit
+        structure_parity(structure, 0, zero={"stage3_unit_numel": 10**9})
+    cfg = _gpt_config()
+    block_numel = sum(p.numel() for p in TinyGPT(cfg).blocks[0].parameters())
+    for prefetch in (0, 10**9):  # released and gathered again in backward; kept throughout
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        ref_model = copy.deepcopy(model)
+        zero = {"stage3_unit_numel": block_numel, "stage3_prefetch_bucket_size": prefetch}
+        config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=0, zero=zero)
+        engine, _, _, _ = zerodp.initialize(model=model, config=config)
+        index = engine.params.index
+        block_groups = []
+        for block in model.blocks:  # each block is one unit: one group for all its parameters
+            states = {id(index.state_of(p)) for p in block.parameters()}
+            assert len(states) == 1, (prefetch, len(states))
+            block_groups += states
+        assert len(set(block_groups)) == cfg.n_layer
+        reference = ReferenceDP(
+            ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01)
+        )
+        for step in range(3):
+            x = gpt_tokens(dist.get_rank(), step, cfg)
+            engine.backward(_loss(engine(x)))
+            reference.run_backward(lambda x=x, m=ref_model: _loss(m(x)).backward())
+            assert_grads_match(model, reference, f"units, prefetch {prefetch}, step {step}")
+            engine.step()
+            reference.step()
+            reference.zero_grad()
+            assert_all_released(model, 3)
+            assert_params_match(model, reference, f"units, prefetch {prefetch}, step {step}")
+        engine.destroy()
+
+
+def test_units_match_reference(pools) -> None:
+    pools(2).run(units_match_reference)
 
 
 # -- zero.Init -----------------------------------------------------------------------------

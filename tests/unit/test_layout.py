@@ -78,3 +78,26 @@ def test_stage3_groups_large_params_by_module_and_buckets_small_ones() -> None:
     small = [p for p in plans if p.persistent]
     assert sorted(p.members for p in large) == [(0,), (2,), (4,)]
     assert sorted(itertools.chain.from_iterable(p.members for p in small)) == [1, 3]
+
+
+def _block() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
+
+
+def test_units_are_the_outermost_small_modules_that_run_a_forward() -> None:
+    from zerodp.partition.builder import plan_units
+
+    root = torch.nn.Module()
+    root.blocks = torch.nn.ModuleList([_block(), _block()])  # a container never runs forward
+    root.big = torch.nn.Linear(8, 8)  # 72 elements: over the limit, not a unit
+    root.leafy = _block()
+    block_numel = sum(p.numel() for p in root.blocks[0].parameters())
+    unit_of = plan_units(root, block_numel, excluded={root.leafy[1]})
+    for block in root.blocks:
+        assert all(unit_of[m] is block for m in block.modules())
+    assert root.blocks not in unit_of and root not in unit_of and root.big not in unit_of
+    # A module holding an excluded one (a leaf) is not a unit; its other children may be.
+    assert root.leafy not in unit_of and root.leafy[1] not in unit_of
+    assert unit_of[root.leafy[0]] is root.leafy[0]
+    assert plan_units(root, 0) == {}
+    assert plan_units(root, 10**9)[root.big] is root.big  # the root itself never is one

@@ -50,6 +50,7 @@ from zerodp.comm import Comm, Handle
 from zerodp.comm.order import CollectiveOrder
 from zerodp.errors import LifecycleError
 from zerodp.group import GradSync, GroupState, KeptGradient
+from zerodp.torch_internals import PlainTensorOps
 
 
 class GradStorage(enum.Enum):
@@ -272,8 +273,9 @@ class GradientReducer:
             kept.storage.zero_()
             kept.sync = self.plan.initial_sync
             if self.param_grads is None:
-                for param in state.params:
-                    param.grad = None
+                with PlainTensorOps():  # metadata only: no stage 3 dispatch per parameter
+                    for param in state.params:
+                        param.grad = None
         self._show_param_grads()
 
     def _show_param_grads(self) -> None:

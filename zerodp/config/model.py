@@ -82,6 +82,7 @@ class ZeroOptimizationConfig(Section):
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
     stage3_max_live_parameters: PosInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    stage3_unit_numel: NonNegInt = 0  # zerodp's: modules this small are gathered as one unit
     stage3_gather_16bit_weights_on_model_save: Bool = False
     leaf_module: LeafModuleConfig = LeafModuleConfig()
     stage3_check_order: Bool = True  # zerodp's: every rank issues stage 3 collectives alike

@@ -18,6 +18,7 @@ unpack in backward).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from zerodp.comm import Comm, Handle
 from zerodp.errors import ParamStateError
@@ -53,14 +54,43 @@ class GatherState:
             raise ValueError(f"{flat} is persistent: its full buffer is never released")
         self.flat = flat
         self.comm = comm
+        self._numel = flat.padded_numel  # asked at every prefetch decision: computed once
         self.holds = 0  # forward scopes and GatheredParameters blocks using the group now
         self._handle: Handle | None = None  # set exactly while INFLIGHT
+        # (class while gathered, class otherwise) of the group's parameters; see `guard_with`.
+        self._classes: tuple[type[Any], type[Any]] | None = None
         flat.free_full()
         self.status = ParamStatus.NOT_AVAILABLE
 
+    def guard_with(self, plain: type[Any], guarded: type[Any]) -> None:
+        """Give the parameters class `guarded` while released, `plain` while gathered.
+
+        A guarded class (`ZeroParameter`) runs Python before every torch operation on
+        its parameters, which only a released parameter needs (its storage is empty);
+        while gathered, `plain` (`nn.Parameter`) lets operations take torch's own fast
+        path. Same object, only `__class__` changes, so every reference stays valid.
+        """
+        self._classes = (plain, guarded)
+        current = plain if self.status is ParamStatus.AVAILABLE else guarded
+        for param in self.flat.params:
+            param.__class__ = current
+
+    def unguard(self, plain: type[Any]) -> None:
+        """Stop changing classes; the parameters keep class `plain` from now on."""
+        self._classes = None
+        for param in self.flat.params:
+            param.__class__ = plain
+
+    def _set_class(self, index: int) -> None:
+        classes = self._classes
+        if classes is not None:
+            cls = classes[index]
+            for param in self.flat.params:
+                param.__class__ = cls
+
     @property
     def numel(self) -> int:
-        return self.flat.padded_numel
+        return self._numel
 
     # -- transitions (named after the state they reach) -------------------------------
 
@@ -91,10 +121,12 @@ class GatherState:
             self._handle.wait()
             self._handle = None
         self.status = ParamStatus.AVAILABLE
+        self._set_class(0)
 
     def to_not_available(self) -> None:
         """Release the full storage; only the shard remains."""
         self._require({ParamStatus.AVAILABLE}, ParamStatus.NOT_AVAILABLE)
+        self._set_class(1)
         self.flat.free_full()
         self.status = ParamStatus.NOT_AVAILABLE
 

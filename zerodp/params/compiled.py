@@ -5,8 +5,9 @@ Gathering and releasing are collectives and allocation changes that a graph
 cannot contain, so they stay outside compiled graphs, at unit boundaries:
 
 - a unit is a leaf module (see [Note: leaf modules]; a compiled transformer
-  block is made one) or a module without children that owns parameters (a
-  torch.nn layer outside every block). Its hooks, when dynamo meets them in a
+  block is made one) or a module whose own groups are its whole subtree's (a
+  torch.nn layer outside every block, or a stage 3 unit of
+  `stage3_unit_numel`). Its hooks, when dynamo meets them in a
   traced forward, are `torch._dynamo.disable`d: the graph breaks at the
   unit's boundary and the hooks run eagerly, so the unit's forward is a graph
   of its own with every parameter in it gathered;
@@ -27,19 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 
 class UnitDepth:
-    """How many gathered units (leaves, or parameter-owning modules without children) run now."""
+    """How many gathered units (leaves, or modules owning their whole subtree's groups) run."""
 
     value = 0
     leaves = 0  # how many of them are leaves
-
-
-def is_unit_without_leaf(module: nn.Module, owns_groups: bool) -> bool:
-    """A module that is a unit by itself: no children, and sharded parameters of its own."""
-    return owns_groups and next(iter(module.children()), None) is None
 
 
 def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:

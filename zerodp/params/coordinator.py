@@ -70,6 +70,10 @@ class LeafGradients(Protocol):
     def settle(self, states: list[GroupState]) -> None: ...
 
 
+def _numel_of(state: GroupState) -> int:
+    return _gather_of(state).numel
+
+
 def _gather_of(state: GroupState) -> GatherState:
     gather = state.gather
     if gather is None:  # pragma: no cover - the coordinator only holds sharded groups
@@ -110,8 +114,8 @@ class ParamCoordinator:
         self.live_numel = 0
         self.peak_live_numel = 0
         self.num_prefetched = 0  # groups gathered ahead of their use
-        self.forward_trace: ExecutionTrace[GroupState] = ExecutionTrace()
-        self.backward_trace: ExecutionTrace[GroupState] = ExecutionTrace()
+        self.forward_trace: ExecutionTrace[GroupState] = ExecutionTrace(_numel_of)
+        self.backward_trace: ExecutionTrace[GroupState] = ExecutionTrace(_numel_of)
         self._backward_head: set[GroupState] = set()  # groups the backward uses first
 
     # -- queries -------------------------------------------------------------------
@@ -129,6 +133,10 @@ class ParamCoordinator:
             direct = self._module_groups.get(module, [])
         external = self._external.get(module)
         return direct + external if external else direct
+
+    def owns_groups(self, module: nn.Module) -> bool:
+        """Whether `module` has sharded groups of its own (a unit: its subtree's)."""
+        return bool(self._module_groups.get(module))
 
     def has_groups(self, module: nn.Module) -> bool:
         if self._external.get(module):
@@ -163,7 +171,7 @@ class ParamCoordinator:
         # that the first backward prefetches like every later one.
         self.backward_trace.seed(self.forward_trace.recorded[::-1])
         for state in self.states:
-            if not (backward_follows and self._keeps_for_backward(state, upcoming=[])):
+            if not (backward_follows and self._keeps_for_backward(state, ahead=0)):
                 self._release(state)
         if self.order is not None:
             self.order.end()
@@ -324,46 +332,44 @@ class ParamCoordinator:
         gather = _gather_of(state)
         if gather.status is ParamStatus.NOT_AVAILABLE:
             self._issue(state, gather)
-        upcoming = trace.request(state) if trace is not None else []
-        if upcoming:
-            self._prefetch(upcoming)
+        if trace is not None and trace.request(state):
+            self._prefetch(trace)
         gather.to_available()
 
-    def _prefetch(self, upcoming: list[GroupState]) -> None:
+    def _prefetch(self, trace: ExecutionTrace[GroupState]) -> None:
         """Gather the groups due within the next `stage3_prefetch_bucket_size` elements.
 
-        The window counts every upcoming group, gathered already or not: counting
-        only the ones still to gather would reach one window further at every
-        request, and the gathered set would grow through the whole pass.
+        The window counts every upcoming use, gathered already or not: counting
+        only the groups still to gather would reach one window further at every
+        request, and the gathered set would grow through the whole pass. Only the
+        part of the window beyond what an earlier request of this pass looked at
+        (`trace.frontier`) is new: a group before it was issued then, or was
+        gathered already (one released since is gathered on use).
         """
-        budget = self.prefetch_numel
-        seen: set[GroupState] = set()
-        for state in upcoming:
-            if budget <= 0:
-                return
-            if state in seen:
-                continue
-            seen.add(state)
+        end = trace.window_end(self.prefetch_numel)
+        index = max(trace.position, trace.frontier)
+        while index < end:
+            state = trace.item(index)
             gather = _gather_of(state)
-            budget -= gather.numel
-            if gather.status is not ParamStatus.NOT_AVAILABLE:
-                continue
-            if self.live_numel + gather.numel > self.max_live_numel:
-                return
-            self._issue(state, gather)
-            self.num_prefetched += 1
+            if gather.status is ParamStatus.NOT_AVAILABLE:
+                if self.live_numel + gather.numel > self.max_live_numel:
+                    break  # over the live cap: the next request looks here again
+                self._issue(state, gather)
+                self.num_prefetched += 1
+            index += 1
+        trace.frontier = index
 
-    def _keeps_for_backward(self, state: GroupState, upcoming: list[GroupState]) -> bool:
+    def _keeps_for_backward(self, state: GroupState, ahead: int) -> bool:
         """Whether the backward about to follow starts with `state` (so it stays gathered).
 
         The one rule for "the backward's head": `state` is among the groups the
-        recorded backward uses first, what the forward still has to run fits in the
-        prefetch budget, and the live cap leaves room.
+        recorded backward uses first, what the forward still has to run (`ahead`
+        elements) fits in the prefetch budget, and the live cap leaves room.
         """
         return (
             state in self._backward_head
             and self.live_numel <= self.max_live_numel
-            and sum(_gather_of(s).numel for s in upcoming) <= self.prefetch_numel
+            and ahead <= self.prefetch_numel
         )
 
     def _release_unless_reused(self, state: GroupState, trace: ExecutionTrace[GroupState]) -> None:
@@ -376,18 +382,13 @@ class ParamCoordinator:
         if self.live_numel > self.max_live_numel:
             self._release(state)  # over stage3_max_live_parameters: keep nothing extra
             return
-        distance = 0
-        upcoming = trace.upcoming()
-        for later in upcoming:
-            if later is state:
-                return
-            distance += _gather_of(later).numel
-            if distance > self.max_reuse_distance:
-                break
+        distance = trace.reuse_distance(state)
+        if distance is not None and distance <= self.max_reuse_distance:
+            return
         if (
             trace is self.forward_trace
             and torch.is_grad_enabled()
-            and self._keeps_for_backward(state, upcoming)
+            and self._keeps_for_backward(state, trace.weight_ahead())
         ):
             return  # the forward is ending and its backward starts with this group
         self._release(state)

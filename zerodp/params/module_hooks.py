@@ -8,6 +8,8 @@
   multi-grad hook on the outputs marks the module's pre-backward.
 - the root module also installs the saved-tensor hooks for the forward and
   ends the forward pass (releasing prefetched groups nobody used).
+- only the root and modules with sharded groups in their subtree are hooked
+  (`hooked_modules`): the others have nothing to gather.
 - a leaf module (see [Note: leaf modules]) gathers its whole subtree; while it
   runs, no hook of a module inside it does anything. Its inputs pass through
   `LeafEntry`, whose backward ends the leaf's backward.
@@ -26,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from zerodp._tree import grad_tensors_in
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import BackwardLifecycle
-from zerodp.params.compiled import UnitDepth, is_unit_without_leaf, run_eagerly
+from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.leaf import enter_leaf
 from zerodp.params.saved_tensors import SavedTensorGatherer
@@ -49,9 +51,22 @@ class Stage3ModuleHooks:
         self._root_pushed: list[bool] = []
         self._active_leaves: list[nn.Module] = []  # leaves whose forward is running, innermost last
         self._units: list[nn.Module] = []  # running units (see `zerodp.params.compiled`)
+        self._self_contained: set[int] = set()
         self._pre_backward = lifecycle.hook(coordinator.pre_backward)
         self._post_backward = lifecycle.hook(coordinator.post_backward)
         self._end_leaf_backward = lifecycle.hook(coordinator.end_leaf_backward)
+
+    def hooked_modules(self) -> list[nn.Module]:
+        """The root, and every module with a sharded group in its subtree.
+
+        A module with none (an activation, a dropout, a module inside a stage 3 unit)
+        has nothing to gather: should it read another module's parameter, the nearest
+        hooked module around it gathers that on use, as its own.
+        """
+        owns = self.coordinator.owns_groups
+        return [
+            m for m in self.root.modules() if m is self.root or any(owns(x) for x in m.modules())
+        ]
 
     def install(self) -> list[RemovableHandle]:
         """One pre- and one post-hook per module, chosen once by what the module is, so that
@@ -67,7 +82,13 @@ class Stage3ModuleHooks:
             for m in leaf.modules()
             if m is not leaf
         }
-        for module in self.root.modules():
+        hooked = self.hooked_modules()
+        owns = self.coordinator.owns_groups
+        # Units whose own groups are their whole subtree's (see `UnitDepth`).
+        self._self_contained = {
+            id(m) for m in hooked if owns(m) and not any(owns(x) for x in m.modules() if x is not m)
+        }
+        for module in hooked:
             is_leaf = self.coordinator.leaves.is_leaf(module)
             gathers = module is self.root or is_leaf or self.coordinator.has_groups(module)
             pre = self._pre_hook if gathers else self._pre_hook_inner
@@ -136,7 +157,7 @@ class Stage3ModuleHooks:
         if leaf:
             self._active_leaves.append(module)
             UnitDepth.leaves = len(self._active_leaves)
-        if leaf or is_unit_without_leaf(module, self.coordinator.has_groups(module)):
+        if leaf or id(module) in self._self_contained:
             self._units.append(module)
             UnitDepth.value = len(self._units)
         if torch.is_grad_enabled() and self.coordinator.has_groups(module):

@@ -15,7 +15,9 @@ collective), so every rank makes the same prefetch decisions.
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -35,17 +37,39 @@ class TracePhase(enum.Enum):
 
 
 class ExecutionTrace(Generic[T]):
-    """The order of one kind of pass (forward or backward), recorded once and replayed."""
+    """The order of one kind of pass (forward or backward), recorded once and replayed.
 
-    def __init__(self) -> None:
+    `weight` gives each item's size (a group's elements). A recording keeps its
+    running total of sizes and where each item occurs, so that the questions
+    asked at every request ("what is due within this many elements", "is this
+    item used again, and how far ahead") cost a bisection, not a walk over the
+    rest of the pass: a walk per request made a pass quadratic in its length.
+    """
+
+    def __init__(self, weight: Callable[[T], int]) -> None:
         self.phase = TracePhase.RECORDING
+        self._weight = weight
         self._recorded: list[T] = []
         self._recording: list[T] = []
         self._position = 0
+        self._prefix: list[int] = [0]  # _prefix[i]: total weight of _recorded[:i]
+        self._where: dict[T, list[int]] = {}  # item -> its positions in _recorded, ascending
+        self.frontier = 0  # the prefetcher looked at every item before this one in this pass
         self.num_divergences = 0
+
+    def _set_recorded(self, items: list[T]) -> None:
+        self._recorded = items
+        prefix = [0]
+        where: dict[T, list[int]] = {}
+        for index, item in enumerate(items):
+            prefix.append(prefix[-1] + self._weight(item))
+            where.setdefault(item, []).append(index)
+        self._prefix = prefix
+        self._where = where
 
     def begin_pass(self) -> None:
         self._position = 0
+        self.frontier = 0
         if self.phase is TracePhase.REPLAYING and self._recorded:
             return
         self.phase = TracePhase.RECORDING
@@ -53,7 +77,7 @@ class ExecutionTrace(Generic[T]):
 
     def end_pass(self) -> None:
         if self.phase is TracePhase.RECORDING and self._recording:
-            self._recorded = self._recording
+            self._set_recorded(self._recording)
             self._recording = []
             self.phase = TracePhase.REPLAYING
         elif self.phase is TracePhase.REPLAYING and self._position != len(self._recorded):
@@ -68,8 +92,20 @@ class ExecutionTrace(Generic[T]):
     def seed(self, items: list[T]) -> None:
         """Start replaying a guess (e.g. the forward order reversed) before anything is recorded."""
         if not self._recorded and self.phase is TracePhase.RECORDING and items:
-            self._recorded = list(items)
+            self._set_recorded(list(items))
             self.phase = TracePhase.REPLAYING
+
+    @property
+    def replaying(self) -> bool:
+        return self.phase is TracePhase.REPLAYING
+
+    @property
+    def position(self) -> int:
+        """Index of the next expected item in the recording."""
+        return self._position
+
+    def item(self, index: int) -> T:
+        return self._recorded[index]
 
     def upcoming(self) -> list[T]:
         """What the recording expects next in this pass (nothing unless replaying)."""
@@ -77,16 +113,42 @@ class ExecutionTrace(Generic[T]):
             return []
         return self._recorded[self._position :]
 
-    def request(self, item: T) -> list[T]:
-        """Note that `item` is requested now; return the items expected next, in order."""
+    def window_end(self, budget: int) -> int:
+        """The end of the items due next whose sizes, counted from the next one on, start
+        within `budget` (every use counts, a repeated item too); the position if not replaying."""
+        if self.phase is not TracePhase.REPLAYING:
+            return self._position
+        end = bisect.bisect_left(self._prefix, self._prefix[self._position] + budget)
+        return min(end, len(self._recorded))
+
+    def weight_ahead(self) -> int:
+        """The total size of what the recording expects for the rest of this pass."""
+        if self.phase is not TracePhase.REPLAYING:
+            return 0
+        return self._prefix[-1] - self._prefix[self._position]
+
+    def reuse_distance(self, item: T) -> int | None:
+        """The size of what comes before `item`'s next use in this pass; None if none is due."""
+        if self.phase is not TracePhase.REPLAYING:
+            return None
+        positions = self._where.get(item)
+        if not positions:
+            return None
+        at = bisect.bisect_left(positions, self._position)
+        if at == len(positions):
+            return None
+        return self._prefix[positions[at]] - self._prefix[self._position]
+
+    def request(self, item: T) -> bool:
+        """Note that `item` is requested now; True if the pass follows its recording here."""
         if self.phase is TracePhase.RECORDING:
             self._recording.append(item)
-            return []
+            return False
         if self.phase is TracePhase.DIVERGED:
-            return []
+            return False
         if self._position < len(self._recorded) and self._recorded[self._position] is item:
             self._position += 1
-            return self._recorded[self._position :]
+            return True
         self.phase = TracePhase.DIVERGED
         self.num_divergences += 1
-        return []
+        return False

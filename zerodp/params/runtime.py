@@ -19,12 +19,18 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
 from zerodp.comm.order import CollectiveOrder
-from zerodp.group import GroupIndex, GroupState, ParamStatus
+from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.divergence import DivergenceExplainer
 from zerodp.params.module_hooks import Stage3ModuleHooks
 from zerodp.params.saved_tensors import SavedTensorGatherer
+
+
+def _gather_of(state: GroupState) -> GatherState:
+    if state.gather is None:  # pragma: no cover - sharded states always have one
+        raise RuntimeError(f"internal error: {state} is not sharded")
+    return state.gather
 
 
 def all_gather_full(states: list[GroupState], comm: Comm) -> None:
@@ -125,6 +131,8 @@ class Stage3Runtime:
         for state in self.sharded_states:
             for param in state.params:
                 zero_parameter.adopt(param, self.coordinator)
+            # Guarded only while released: see `GatherState.guard_with`.
+            _gather_of(state).guard_with(nn.Parameter, zero_parameter.ZeroParameter)
 
     @property
     def sharded_states(self) -> list[GroupState]:
@@ -175,5 +183,6 @@ class Stage3Runtime:
         for state in self.sharded_states:
             if state.gather is not None:
                 state.gather.drop_holds()
+                state.gather.unguard(nn.Parameter)
             for param in state.params:
                 zero_parameter.release(param)

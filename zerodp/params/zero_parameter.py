@@ -15,6 +15,11 @@ before every torch operation that takes the parameter:
 
 Metadata reads (shape, dtype, grad, hooks, ...) never gather. Operations run
 with the subclass disabled, so their results are plain tensors.
+
+An engine's parameter is a `ZeroParameter` only while its group is released:
+gathered, it has the plain class again (`GatherState.guard_with`), so the
+many operations of a forward and backward on gathered parameters take
+torch's own path instead of this Python one.
 """
 
 from __future__ import annotations

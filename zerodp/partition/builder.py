@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,52 @@ def describe_params(
     return params, infos, module_params
 
 
+def _runs_forward(module: nn.Module) -> bool:
+    """Containers (ModuleList, ModuleDict) are never called: no hook of theirs ever fires."""
+    return type(module).forward is not nn.Module.forward
+
+
+def plan_units(
+    module: nn.Module, max_numel: int, excluded: set[nn.Module] | None = None
+) -> dict[nn.Module, nn.Module]:
+    """Stage 3 units: module -> the outermost module whose subtree is gathered as one.
+
+    A module other than the root becomes a unit when it runs a forward of its
+    own, its subtree holds at most `max_numel` parameter elements (each shared
+    parameter counted once) and no module of its subtree is in `excluded`
+    (leaf modules, which have a gathering rule of their own). The outermost
+    such module wins; every module inside it maps to it. `max_numel` 0: none.
+    """
+    if max_numel <= 0:
+        return {}
+    excluded = excluded or set()
+    unit_of: dict[nn.Module, nn.Module] = {}
+    for sub in module.modules():
+        if sub is module or sub in unit_of or not _runs_forward(sub):
+            continue
+        inside = list(sub.modules())
+        numel = sum(p.numel() for p in sub.parameters())
+        if numel == 0 or numel > max_numel or any(m in excluded for m in inside):
+            continue
+        for member in inside:
+            unit_of.setdefault(member, sub)
+    return unit_of
+
+
+def _apply_units(
+    module_params: dict[nn.Module, list[nn.Parameter]], unit_of: dict[nn.Module, nn.Module]
+) -> dict[nn.Module, list[nn.Parameter]]:
+    """Each unit lists its whole subtree's parameters; the modules inside it list none."""
+    result: dict[nn.Module, list[nn.Parameter]] = {}
+    for sub, direct in module_params.items():
+        target = unit_of.get(sub, sub)
+        listed = result.setdefault(target, [])
+        seen = {id(p) for p in listed}
+        listed.extend(p for p in direct if id(p) not in seen)
+        result.setdefault(sub, [])
+    return result
+
+
 def build_layout(
     module: nn.Module,
     trainable_groups: dict[int, int],
@@ -61,14 +108,30 @@ def build_layout(
     persistence_threshold: int,
     owns_full: bool = False,
     presharded: list[FlatGroup] | None = None,
+    unit_numel: int = 0,
+    unit_excluded: set[nn.Module] | None = None,
 ) -> ModelLayout:
     """Flat groups for `module`; `trainable_groups` maps id(param) to its optimizer group.
 
     Stages 0-2 lay out trainable parameters only (frozen ones stay as they
     are); stage 3 shards frozen parameters too, since they take memory alike.
     `owns_full` (stage 0) makes each rank's optimizer own whole groups.
+    `unit_numel` (stage 3): see `plan_units`; a unit's sharded parameters share
+    one flat group (per dtype, optimizer param group and trainability).
     """
     params, infos, module_params = describe_params(module, trainable_groups)
+    if shard_params and unit_numel > 0:
+        unit_of = plan_units(module, unit_numel, unit_excluded)
+        if unit_of:
+            index_of = {m: i for i, m in enumerate(module.modules())}
+            modules = list(index_of)
+            infos = [
+                dataclasses.replace(
+                    info, owner=index_of[unit_of.get(modules[info.owner], modules[info.owner])]
+                )
+                for info in infos
+            ]
+            module_params = _apply_units(module_params, unit_of)
     position = {id(p): i for i, p in enumerate(params)}
     existing: list[tuple[GroupPlan, FlatGroup | None]] = []
     for flat in presharded or []:

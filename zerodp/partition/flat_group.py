@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from zerodp.partition.layout import FlatLayout
+from zerodp.torch_internals import PlainTensorOps
 
 
 class FlatGroup:
@@ -70,7 +71,8 @@ class FlatGroup:
     def trainable(self) -> bool:
         """Whether the group's parameters require grad (its members all agree, see
         `zerodp.params.init.adopt_init_groups`)."""
-        return all(p.requires_grad for p in self.params)
+        with PlainTensorOps():  # a metadata read: no stage 3 Python dispatch per parameter
+            return all(p.requires_grad for p in self.params)
 
     # -- sizes and ranges -------------------------------------------------------------
 
