@@ -59,11 +59,16 @@ class CompiledZeroDPRunner(ZeroDPRunner):
     """zerodp with its `compile` block enabled (per block at stage 3, whole model otherwise)."""
 
     def __init__(
-        self, spec: EngineSpec, model: LossModel, settings: TrainSettings, backend: str
+        self,
+        spec: EngineSpec,
+        model: LossModel,
+        settings: TrainSettings,
+        backend: str,
+        per_block: bool | None = None,
     ) -> None:
         Runner.__init__(self, spec)
         config = settings.zerodp_config(spec.stage)
-        config["compile"] = {"enabled": True, "backend": backend}
+        config["compile"] = {"enabled": True, "backend": backend, "per_block": per_block}
         self.engine, _, _, _ = zerodp.initialize(model=model, config=config)
 
 
@@ -73,10 +78,11 @@ def build_runner(
     settings: TrainSettings,
     compiled: bool,
     backend: str,
+    per_block: bool | None = None,
 ) -> Runner:
     if spec.engine == "zerodp":
         if compiled:
-            return CompiledZeroDPRunner(spec, model, settings, backend)
+            return CompiledZeroDPRunner(spec, model, settings, backend, per_block)
         return ZeroDPRunner(spec, model, settings)
     if spec.engine == "fsdp2":
         if compiled:  # torchtitan's order: compile each block, then shard
@@ -110,6 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument(
+        "--stage3-whole", action="store_true", help="add zerodp-3 compiled as a whole model"
+    )
     return p.parse_args(argv)
 
 
@@ -131,21 +140,27 @@ def main(argv: list[str] | None = None) -> int:
         prefetch_bucket_size=1_000_000,
     )
     specs = parse_engines(args.engines)
+    variants: list[tuple[str, EngineSpec, bool | None]] = [(s.label, s, None) for s in specs]
+    if args.stage3_whole:
+        variants.append(("zerodp-3-whole", EngineSpec("zerodp", 3), False))
     torch.manual_seed(0)
     base = LossModel(GPT(cfg)).to(default_device())
     batches = make_batches(cfg, args.micro_batch, 4)
     runners: dict[tuple[str, bool], Runner] = {}
     compile_s: dict[str, float] = {}
-    for spec in specs:
+    for label, spec, per_block in variants:
         for compiled in (False, True):
-            runner = build_runner(spec, copy.deepcopy(base), settings, compiled, args.backend)
+            if not compiled and per_block is not None:
+                continue  # its eager twin is the plain row's
+            model = copy.deepcopy(base)
+            runner = build_runner(spec, model, settings, compiled, args.backend, per_block)
             start = time.perf_counter()
             for i in range(args.warmup):
                 runner.train_step(batches[i % len(batches)])
             if compiled:
-                compile_s[spec.label] = time.perf_counter() - start
-            runners[(spec.label, compiled)] = runner
-            progress(f"{spec.label} {'compiled' if compiled else 'eager'} warmed up")
+                compile_s[label] = time.perf_counter() - start
+            runners[(label, compiled)] = runner
+            progress(f"{label} {'compiled' if compiled else 'eager'} warmed up")
     samples: dict[tuple[str, bool], list[float]] = {key: [] for key in runners}
     device = default_device()
     for repeat in range(args.repeats):
@@ -165,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             f"backend {args.backend}; median of {args.repeats} samples of {args.steps} steps"
         )
         fsdp2 = medians.get(("fsdp2", True))
-        print("engine    eager ms  compiled ms  speedup  compiled/fsdp2-compiled  warm-up s")
-        for spec in specs:
-            eager, compiled = medians[(spec.label, False)], medians[(spec.label, True)]
+        print("engine         eager ms  compiled ms  speedup  compiled/fsdp2-compiled  warm-up s")
+        for label, spec, _ in variants:
+            eager, compiled = medians[(spec.label, False)], medians[(label, True)]
             versus = f"{compiled / fsdp2:.2f}" if fsdp2 else "-"
             print(
-                f"{spec.label:9s} {eager * 1e3:8.1f}  {compiled * 1e3:11.1f}  "
-                f"{eager / compiled:7.2f}  {versus:>23s}  {compile_s[spec.label]:9.1f}"
+                f"{label:14s} {eager * 1e3:8.1f}  {compiled * 1e3:11.1f}  "
+                f"{eager / compiled:7.2f}  {versus:>23s}  {compile_s[label]:9.1f}"
             )
     for runner in runners.values():
         runner.close()
