@@ -4,22 +4,23 @@
 Gathering and releasing are collectives and allocation changes that a graph
 cannot contain, so they stay outside compiled graphs, at unit boundaries:
 
-- a unit is a leaf module (see [Note: leaf modules]; a compiled transformer
-  block is made one) or a module whose own groups are its whole subtree's (a
-  torch.nn layer outside every block, or a stage 3 unit of
-  `stage3_unit_numel`). Its hooks, when dynamo meets them in a
-  traced forward, are `torch._dynamo.disable`d: the graph breaks at the
-  unit's boundary and the hooks run eagerly, so the unit's forward is a graph
-  of its own with every parameter in it gathered;
+- a compiled block is a leaf module (see [Note: leaf modules]): its whole
+  subtree is gathered when it is entered. The hooks of a module that gathers
+  (a leaf, a module with groups, the root), when dynamo meets them in a
+  traced forward, are `torch._dynamo.disable`d: the graph breaks at that
+  boundary and the hooks run eagerly;
 - inside a running leaf the module hooks do nothing (their compile branch is
   traceable: it reads only the leaf count), so a block is one graph;
-- a `ZeroParameter` read by a traced graph inside a unit is read as it is
-  (gathered); read outside every unit (a parent reading a child's weight
-  under whole-model compile) it breaks the graph and is gathered on use, as
-  in eager mode. Never silently read while released.
+- gathered parameters have the plain class (`GatherState.guard_with`), so a
+  traced graph reads them as it reads any parameter; a parameter that is
+  still a `ZeroParameter` when dynamo traces an operation on it is not
+  gathered: the operation runs eagerly, gathering on use (a graph break),
+  never on a released parameter. The graph dynamo compiled guards on the
+  parameter's class, so a later call that finds it released recompiles
+  instead of reading freed storage.
 
-`UnitDepth` counts the units (and leaves) running now; dynamo guards on the
-counts, which are the same at every step, so they cost no recompile.
+`UnitDepth.leaves` counts the leaves running now; dynamo guards on it, and
+it is the same at every step, so it costs no recompile.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ import torch
 
 
 class UnitDepth:
-    """How many gathered units (leaves, or modules owning their whole subtree's groups) run."""
+    """How many leaves (gathered as one unit) are running their forward now."""
 
-    value = 0
-    leaves = 0  # how many of them are leaves
+    leaves = 0
 
 
 def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -50,8 +50,6 @@ class Stage3ModuleHooks:
         self.saved_tensors = saved_tensors
         self._root_pushed: list[bool] = []
         self._active_leaves: list[nn.Module] = []  # leaves whose forward is running, innermost last
-        self._units: list[nn.Module] = []  # running units (see `zerodp.params.compiled`)
-        self._self_contained: set[int] = set()
         self._pre_backward = lifecycle.hook(coordinator.pre_backward)
         self._post_backward = lifecycle.hook(coordinator.post_backward)
         self._end_leaf_backward = lifecycle.hook(coordinator.end_leaf_backward)
@@ -82,13 +80,7 @@ class Stage3ModuleHooks:
             for m in leaf.modules()
             if m is not leaf
         }
-        hooked = self.hooked_modules()
-        owns = self.coordinator.owns_groups
-        # Units whose own groups are their whole subtree's (see `UnitDepth`).
-        self._self_contained = {
-            id(m) for m in hooked if owns(m) and not any(owns(x) for x in m.modules() if x is not m)
-        }
-        for module in hooked:
+        for module in self.hooked_modules():
             is_leaf = self.coordinator.leaves.is_leaf(module)
             gathers = module is self.root or is_leaf or self.coordinator.has_groups(module)
             pre = self._pre_hook if gathers else self._pre_hook_inner
@@ -145,8 +137,7 @@ class Stage3ModuleHooks:
         starts_forward = module is self.root and not autograd_api.in_backward()
         if starts_forward:
             self._active_leaves.clear()  # left by a forward that died inside a leaf
-            self._units.clear()
-            UnitDepth.value = UnitDepth.leaves = 0
+            UnitDepth.leaves = 0
         elif self._active_leaves:
             return None  # inside a leaf: its whole subtree is gathered already
         if starts_forward:
@@ -157,9 +148,6 @@ class Stage3ModuleHooks:
         if leaf:
             self._active_leaves.append(module)
             UnitDepth.leaves = len(self._active_leaves)
-        if leaf or id(module) in self._self_contained:
-            self._units.append(module)
-            UnitDepth.value = len(self._units)
         if torch.is_grad_enabled() and self.coordinator.has_groups(module):
             if leaf:
                 entered = enter_leaf(args, kwargs, lambda: self._end_leaf_backward(module))
@@ -187,9 +175,6 @@ class Stage3ModuleHooks:
                 return  # a module inside the running leaf
             self._active_leaves.pop()
             UnitDepth.leaves = len(self._active_leaves)
-        if self._units and self._units[-1] is module:
-            self._units.pop()
-            UnitDepth.value = len(self._units)
         self.coordinator.post_forward(module)
         if output is not None and torch.is_grad_enabled() and self.coordinator.has_groups(module):
             outputs = grad_tensors_in(output)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from zerodp.group import GroupState
-from zerodp.params.compiled import UnitDepth, run_eagerly
+from zerodp.params.compiled import run_eagerly
 from zerodp.torch_internals import PlainTensorOps, is_noop_to
 
 # What to do once an operation has run: gets its result, returns what the caller sees.
@@ -179,19 +179,11 @@ def _dispatch(
     return result
 
 
-_eager_dispatch = run_eagerly(_dispatch)
-
-
-def _traced_dispatch(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None
-) -> Any:
-    """`_dispatch` as a graph being traced by torch.compile sees it: inside a running unit
-    the parameters are gathered, so the operation is traced on them as they are; outside,
-    it runs eagerly, gathering on use (see [Note: stage 3 under torch.compile])."""
-    if UnitDepth.value:
-        with PlainTensorOps():
-            return func(*args, **(kwargs or {}))
-    return _eager_dispatch(func, args, kwargs)
+# What a graph being traced by torch.compile calls: a parameter that is still a
+# `ZeroParameter` is not gathered (gathered ones have the plain class), so the operation
+# runs eagerly, gathering on use, and the graph breaks there (see
+# [Note: stage 3 under torch.compile]); a block's graph never gets here.
+_traced_dispatch = run_eagerly(_dispatch)
 
 
 class ZeroParameter(nn.Parameter):
