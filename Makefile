@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.zerodp-installed
 TORCH_PIN ?= torch==2.13.0
 NPROC ?= 2
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench scaling clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ demo: setup
 
 bench: setup
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/step_time.py
+
+# World-size, model-size and memory-budget sweeps with plots (about half an hour on 2 CPU cores).
+scaling: setup
+	$(BIN)/python bench/scaling.py --json bench/results/scaling.json --plots bench/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache runs

@@ -77,9 +77,17 @@ MOE_VARIANTS = {
 }
 
 
-def moe_case(stage: int, variant: str, via_config: bool) -> list[list[list[list[int]]]]:
-    """One variant in lockstep with the reference; returns the token counts of every step."""
+def moe_case(
+    stage: int, variant: str, via_config: bool, units: bool = False
+) -> list[list[list[list[int]]]]:
+    """One variant in lockstep with the reference; returns the token counts of every step.
+
+    `units`: every module that holds no leaf is gathered as a unit (`stage3_unit_numel`),
+    so leaves sit among units.
+    """
     checkpoint, pattern, overrides, batches, zero = MOE_VARIANTS[variant]
+    if units:
+        zero = {**zero, "stage3_unit_numel": 10**9}
     cfg = MoEConfig(**{"n_layer": 1, "num_experts": 6, **overrides})  # few collectives
     model = _moe_model(cfg, checkpoint)
     if via_config:
@@ -140,6 +148,19 @@ def assert_paths_differ(variant: str, counts: list[list[list[list[int]]]]) -> No
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_moe_with_leaf_blocks_matches_reference(pools, stage: int, world_size: int) -> None:
     results = pools(world_size).run(moe_cases, stage, timeout_s=300)
+    for variant, counts in results[0].items():
+        assert_paths_differ(variant, counts)
+
+
+def moe_cases_with_units() -> dict[str, list[list[list[list[int]]]]]:
+    return {
+        variant: moe_case(3, variant, via_config=index % 2 == 1, units=True)
+        for index, variant in enumerate(MOE_VARIANTS)
+    }
+
+
+def test_moe_leaves_among_units_match_reference(pools) -> None:
+    results = pools(2).run(moe_cases_with_units, timeout_s=300)
     for variant, counts in results[0].items():
         assert_paths_differ(variant, counts)
 

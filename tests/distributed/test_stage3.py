@@ -207,6 +207,39 @@ def test_init_memory_is_a_shard_and_training_matches(pools) -> None:
         assert report["measured"] >= 0.90 * report["ideal"], report
 
 
+def reduction_buckets_with_persistent_groups() -> dict[str, int]:
+    """Gradient bucket elements a stage 3 GPT holds, its small parameters persistent."""
+    cfg = TinyGPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=2, d_model=64)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    # Biases and norms (< 1000 elements) persistent; each block's weights one group each.
+    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=1000)
+    config["zero_optimization"]["reduce_bucket_size"] = 20_000
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(2):
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=generator)
+        engine.backward(engine.module.loss(tokens[:, :-1], tokens[:, 1:]))
+        engine.step()
+    sizes = [s.flat.padded_numel for s in engine.groups]
+    persistent = [s.flat.padded_numel for s in engine.groups if s.flat.persistent]
+    held = engine.reducer.bucket_numel_held
+    engine.destroy()
+    return {"held": held, "total": sum(sizes), "largest": max(sizes), "persistent": len(persistent)}
+
+
+def test_persistent_groups_do_not_hold_up_reductions(pools) -> None:
+    """A persistent group spans every block, so it is complete only at the backward's end;
+    reduced first (by its latest member) it held every later group's full-size bucket out
+    until then. Reduced in completion order, a backward needs a few buckets at once."""
+    for report in pools(2).run(reduction_buckets_with_persistent_groups):
+        assert report["persistent"] >= 1, report
+        # in flight (<= reduce_bucket_size) + the one being filled + the persistent one(s)
+        bound = 20_000 + report["largest"] * (2 + report["persistent"])
+        assert report["held"] <= bound, report
+        assert report["held"] < report["total"] / 2, report
+
+
 # -- GatheredParameters and full state dicts --------------------------------------------
 
 

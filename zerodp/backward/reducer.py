@@ -147,6 +147,11 @@ class GradientReducer:
         self.param_grads = ParamGradView(states) if plan.expose_param_grads else None
 
     @property
+    def bucket_numel_held(self) -> int:
+        """Elements of the full-size gradient buckets this reducer holds (kept for reuse)."""
+        return self._pool.allocated_numel
+
+    @property
     def any_local(self) -> bool:
         return any(_kept(s).sync is GradSync.LOCAL for s in self.states)
 

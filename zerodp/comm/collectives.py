@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
-from zerodp.comm.waiting import OnStall, wait_watched
+from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
 from zerodp.errors import AGREED_TYPES, AgreedError, ZeroDPError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -67,14 +67,17 @@ class Handle:
     does not).
     """
 
-    __slots__ = ("_history", "_on_stall", "_record", "_timed", "_work")
+    __slots__ = ("_history", "_on_stall", "_record", "_watched", "_work")
 
     def __init__(
         self, work: Any = None, on_stall: OnStall | None = None, timed: bool = True
     ) -> None:
         self._work = work
         self._on_stall = on_stall
-        self._timed = timed
+        # An untimed work that is watched is waited for by the helper thread from now on.
+        self._watched: WatchedWork | None = (
+            watch(work) if work is not None and on_stall is not None and not timed else None
+        )
         self._record: CollectiveRecord | None = None
         self._history: CollectiveHistory | None = None
 
@@ -87,8 +90,10 @@ class Handle:
             try:
                 if self._on_stall is None:
                     self._work.wait()
+                elif self._watched is not None:
+                    self._watched.wait(self._on_stall)
                 else:
-                    wait_watched(self._work, self._on_stall, timed=self._timed)
+                    wait_timed(self._work, self._on_stall)
             except RuntimeError as error:
                 if self._history is None or self._record is None or isinstance(error, ZeroDPError):
                     raise  # zerodp's own errors (a divergence found while waiting) pass through

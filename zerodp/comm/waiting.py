@@ -5,8 +5,13 @@ until the process group's timeout (half an hour). The collective order check
 ([Note: collective order] in `zerodp.comm.order`) instead has every wait call
 `on_stall` each `STALL_POLL_S` seconds it lasts, which may raise. gloo's
 all-gather and all-reduce honour a timed `wait`; its reduce-scatter ignores
-the timeout (it blocks until done), so those are waited for by one helper
-thread while the caller waits on an event, with the same polling.
+the timeout (it blocks until done) and has neither a future nor a working
+`is_completed`. So a reduce-scatter is handed, when it is issued, to one
+helper thread that waits for it (gloo runs collectives in issue order, so one
+thread waiting in that order never waits on a later one first); the caller
+later waits on an event, with the same polling. Handing it over at issue
+rather than at the wait keeps the thread switch off the critical path: by the
+time the reduction's result is needed the event is usually set already.
 """
 
 from __future__ import annotations
@@ -22,11 +27,29 @@ STALL_POLL_S = 1.0
 OnStall = Callable[[], None]
 
 
-def wait_watched(work: Any, on_stall: OnStall, *, timed: bool) -> None:
+class WatchedWork:
+    """A work the helper thread waits for; `wait(on_stall)` waits on its event."""
+
+    __slots__ = ("done", "failed")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.failed: BaseException | None = None
+
+    def wait(self, on_stall: OnStall) -> None:
+        while not self.done.wait(STALL_POLL_S):
+            on_stall()
+        if self.failed is not None:
+            raise self.failed
+
+
+def watch(work: Any) -> WatchedWork:
+    """Start waiting for `work` (one that ignores a timed wait) on the helper thread."""
+    return _HELPER.submit(work)
+
+
+def wait_timed(work: Any, on_stall: OnStall) -> None:
     """`work.wait()`, calling `on_stall()` every `STALL_POLL_S` seconds it lasts."""
-    if not timed:
-        _HELPER.wait(work, on_stall)
-        return
     timeout = datetime.timedelta(seconds=STALL_POLL_S)
     while True:
         try:
@@ -39,26 +62,22 @@ def wait_watched(work: Any, on_stall: OnStall, *, timed: bool) -> None:
 
 
 class _WaitingThread:
-    """One daemon thread that waits for works which ignore a timed wait, one after another."""
+    """One daemon thread that waits for works which ignore a timed wait, in issue order."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event, list[BaseException]]] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[tuple[Any, WatchedWork]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def wait(self, work: Any, on_stall: OnStall) -> None:
-        done = threading.Event()
-        failed: list[BaseException] = []
+    def submit(self, work: Any) -> WatchedWork:
+        watched = WatchedWork()
         self._start()
-        self._queue.put((work, done, failed))
-        while not done.wait(STALL_POLL_S):
-            on_stall()
-        if failed:
-            raise failed[0]
+        self._queue.put((work, watched))
+        return watched
 
     def _start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
@@ -68,13 +87,13 @@ class _WaitingThread:
 
     def _run(self) -> None:
         while True:
-            work, done, failed = self._queue.get()
+            work, watched = self._queue.get()
             try:
                 work.wait()
             except BaseException as error:  # handed to the waiting caller
-                failed.append(error)
+                watched.failed = error
             finally:
-                done.set()
+                watched.done.set()
 
 
 _HELPER = _WaitingThread()

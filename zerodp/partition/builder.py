@@ -63,8 +63,10 @@ def plan_units(
     A module other than the root becomes a unit when it runs a forward of its
     own, its subtree holds at most `max_numel` parameter elements (each shared
     parameter counted once) and no module of its subtree is in `excluded`
-    (leaf modules, which have a gathering rule of their own). The outermost
-    such module wins; every module inside it maps to it. `max_numel` 0: none.
+    (leaf modules, which have a gathering rule of their own; modules inside a
+    leaf may be units, which the leaf gathers with the rest of its subtree). The
+    outermost such module wins; every module inside it maps to it. `max_numel`
+    0: none.
     """
     if max_numel <= 0:
         return {}
@@ -145,7 +147,7 @@ def build_layout(
         plans = plan_buckets([i for i in remaining if i.trainable], bucket_numel, persistent=True)
     ordered = sorted(
         [(plan, None) for plan in plans] + existing,
-        key=lambda pair: pair[0].last_index,
+        key=lambda pair: pair[0].reduction_key,
         reverse=True,
     )
     groups = []

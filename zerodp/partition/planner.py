@@ -31,8 +31,21 @@ class GroupPlan:
     persistent: bool  # the full buffer stays allocated (see [Note: zerodp tensors])
 
     @property
-    def last_index(self) -> int:
-        return max(self.members)
+    def first_index(self) -> int:
+        return min(self.members)
+
+    @property
+    def reduction_key(self) -> int:
+        """Groups are reduced in descending order of this: when their gradients are complete.
+
+        A backward visits modules roughly in reverse registration order, so a group is
+        complete once its earliest-registered member has its gradient. Sorting by the
+        earliest member, not the latest, matters for groups that span the model (stage 3's
+        persistent groups of small parameters, one per bucket): sorted by their latest
+        member they came first, complete only at the end of the backward, and every
+        later group's reduction (and its full-size gradient bucket) waited behind them.
+        """
+        return self.first_index
 
 
 def _key(info: ParamInfo) -> tuple[int, torch.dtype, bool]:
@@ -54,7 +67,7 @@ def plan_buckets(infos: list[ParamInfo], bucket_numel: int, persistent: bool) ->
         members.append(info.index)
         open_sizes[key] = open_sizes.get(key, 0) + info.numel
     plans.extend(GroupPlan(tuple(m), persistent) for m in open_groups.values() if m)
-    return sorted(plans, key=lambda p: p.last_index, reverse=True)
+    return sorted(plans, key=lambda p: p.reduction_key, reverse=True)
 
 
 def plan_stage3(
@@ -73,4 +86,4 @@ def plan_stage3(
         by_module.setdefault((info.owner, *_key(info)), []).append(info.index)
     plans = [GroupPlan(tuple(members), persistent=False) for members in by_module.values()]
     plans += plan_buckets(small, bucket_numel, persistent=True)
-    return sorted(plans, key=lambda p: p.last_index, reverse=True)
+    return sorted(plans, key=lambda p: p.reduction_key, reverse=True)
