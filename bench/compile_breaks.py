@@ -10,7 +10,7 @@ the second, as a user would write them):
 - in_place: `model.compile()` (the module's hooks are traced with its forward);
 - blocks: `torch.compile(block)` for every transformer block, as torchtitan does with FSDP2;
 - config_blocks, config_model: zerodp's `compile` config block, per block or whole model
-  (not on main before this work: there the block was refused).
+  (on main before this work the block was accepted with a warning and compiled nothing).
 
 Each cell runs once with fullgraph=False, counting graph breaks, distinct graphs, and
 recompiles (a frame compiled again because a guard failed) after the first two steps
