@@ -26,11 +26,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.accessors import FullStateAccessor
-from zerodp.backward.hooks import install_parameter_hooks, install_root_hooks
+from zerodp.backward.hooks import RootHooks, install_parameter_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer, GradStorage
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
+from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.group import (
@@ -92,6 +93,7 @@ class EngineParts:
     eigenvalue: EigenvalueMonitor | None
     training_dataloader: ZeroDataLoader | None
     handles: list[RemovableHandle]
+    root_hooks: RootHooks
     offload: OffloadPolicy
     offload_storage: OffloadStorage | None
 
@@ -161,6 +163,7 @@ def assemble(
     )
     params: ParamRuntime
     if strategy.shards_params:
+        prepare_stage3(module, config.compile)  # compiled blocks are leaves: marked before hooks
         params = Stage3Runtime(
             module,
             groups,
@@ -178,7 +181,10 @@ def assemble(
     gate = StepGate(
         lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
     )
-    handles = _connect(module, groups, lifecycle, reducer, params, gate, policy, callbacks)
+    handles, root_hooks = _connect(
+        module, groups, lifecycle, reducer, params, gate, policy, callbacks
+    )
+    apply_compile(module, config.compile, zero.stage)
 
     train_state = TrainState()
     inner = _torch_optimizer(groups, specs, user_optimizer, config, host_step=offload)
@@ -234,6 +240,7 @@ def assemble(
         ),
         training_dataloader=_data_loader(training_data, collate_fn, config, comm),
         handles=handles,
+        root_hooks=root_hooks,
         offload=offload,
         offload_storage=storage,
     )
@@ -343,7 +350,7 @@ def _connect(
     gate: StepGate,
     policy: PrecisionPolicy,
     callbacks: EngineCallbacks,
-) -> list[RemovableHandle]:
+) -> tuple[list[RemovableHandle], RootHooks]:
     """Connect autograd to the lifecycle, the lifecycle to the reducer and the gate."""
 
     def prologue(task: Any) -> None:
@@ -361,7 +368,8 @@ def _connect(
         gate.on_task_abort(task)
 
     handles = install_parameter_hooks(groups.trainable, lifecycle, reducer)
-    handles += install_root_hooks(module, lifecycle, callbacks.on_forward_start)
+    root_hooks = RootHooks(module, lifecycle, callbacks.on_forward_start)
+    handles += root_hooks.handles
     if policy.mixed:
         handles.append(install_input_cast(module, policy.param_dtype))
     handles += [
@@ -370,7 +378,7 @@ def _connect(
         lifecycle.on_abort(abort),
         reducer.on_contributions_complete.connect(params.on_grads_complete),
     ]
-    return handles
+    return handles, root_hooks
 
 
 # -- the optimizer side ------------------------------------------------------------------

@@ -105,6 +105,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         self.reducer = parts.reducer
         self.params = parts.params
         self.gate = parts.gate
+        self._root_hooks = parts.root_hooks
         self.train_state = parts.train_state
         self.optimizer = parts.optimizer
         self.full_state = parts.full_state
@@ -152,7 +153,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model's forward (stage 3 gathers each module's parameters as it runs)."""
         self.gate.ensure_no_stale_backward("engine(...) (the forward)")
-        return self.module(*args, **kwargs)
+        return self._root_hooks.after_call(self.module(*args, **kwargs))
 
     forward = __call__
 

@@ -51,24 +51,56 @@ def install_parameter_hooks(
     return handles
 
 
-def install_root_hooks(
-    root: nn.Module,
-    lifecycle: BackwardLifecycle,
-    on_forward_start: Callable[[], None],
-) -> list[RemovableHandle]:
-    first_output_grad = lifecycle.hook(_nothing)
+class RootHooks:
+    """The root module's forward hooks: each forward starts with the engine's checks, and its
+    outputs get the hook that tells the lifecycle a backward through them has started.
 
-    def pre_forward(module: nn.Module, args: Any) -> None:
-        on_forward_start()
+    Under `torch.compile` of the root's own call (`model.compile()`), the hooks are traced
+    with the forward; what they do cannot be traced (it inspects the running autograd task
+    and registers hooks on tensors the graph has not produced yet), so a traced hook only
+    records that its work is deferred (dynamo replays the attribute write after the
+    graph), and `after_call`, which the engine runs on the forward's result outside the
+    graph, does it there. A forward called without the engine under `model.compile()`
+    keeps its backward's lifecycle all the same: the parameter hooks start it.
+    """
 
-    def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        lifecycle: BackwardLifecycle,
+        on_forward_start: Callable[[], None],
+    ) -> None:
+        self._first_output_grad = lifecycle.hook(_nothing)
+        self._on_forward_start = on_forward_start
+        self.deferred = False  # a traced post-forward left its work to `after_call`
+        self.handles = [
+            root.register_forward_pre_hook(self._pre_forward, prepend=True),
+            root.register_forward_hook(self._post_forward),
+        ]
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._on_forward_start()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.deferred = True
+            return
+        self._mark_outputs(output)
+
+    def _mark_outputs(self, output: Any) -> None:
         if not torch.is_grad_enabled() or output is None:
             return
         tensors = grad_tensors_in(output)
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, first_output_grad, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, self._first_output_grad, mode="any"
+            )
 
-    return [
-        root.register_forward_pre_hook(pre_forward, prepend=True),
-        root.register_forward_hook(post_forward),
-    ]
+    def after_call(self, output: Any) -> Any:
+        """The engine's forward result: marked here if a traced post-forward deferred it."""
+        if self.deferred:
+            self.deferred = False
+            self._mark_outputs(output)
+        return output

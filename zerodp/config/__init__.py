@@ -30,6 +30,7 @@ from zerodp.config.compat import Notice, format_notice, translate
 from zerodp.config.errors import show_value
 from zerodp.config.model import (
     BF16Config,
+    CompileConfig,
     EigenvalueConfig,
     FP16Config,
     MonitorConfig,
@@ -52,6 +53,7 @@ __all__ = [
     "AutoHints",
     "BF16Config",
     "BatchSizes",
+    "CompileConfig",
     "ConfigError",
     "ConfigSource",
     "ConfigWarning",

@@ -42,6 +42,7 @@ from zerodp.errors import ConfigError
 __all__ = [
     "AdamParams",
     "BF16Config",
+    "CompileConfig",
     "EigenvalueConfig",
     "FP16Config",
     "LeafModuleConfig",
@@ -140,6 +141,19 @@ class FP16Config(Section):
     min_loss_scale: PosFloat = 1.0
 
 
+class CompileConfig(Section):
+    """`compile`: torch.compile the model (stages 0-2) or each of its blocks (stage 3).
+
+    `enabled`, `backend` and `kwargs` (passed to `torch.compile`) are DeepSpeed's keys;
+    `per_block` is zerodp's (null: per block at stage 3, the whole model otherwise).
+    """
+
+    enabled: Bool = False
+    backend: Str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    per_block: Bool | None = None
+
+
 class MonitorConfig(Section):
     enabled: Bool = False
     output_path: Annotated[Str, BeforeValidator(_null_is_empty)] = ""
@@ -188,6 +202,7 @@ class ZeroDPConfig(Section):
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
     # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.

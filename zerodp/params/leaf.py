@@ -235,3 +235,8 @@ def enter_leaf(
     for key, out in zip(keys, outs[len(positions) :], strict=True):
         new_kwargs[key] = out
     return tuple(new_args), new_kwargs
+
+
+def mark_leaf_modules(modules: Iterable[nn.Module]) -> None:
+    """Mark these module instances as leaves (what `torch.compile` per block needs)."""
+    _mark(list(modules), on=True)

@@ -13,6 +13,8 @@
 - a leaf module (see [Note: leaf modules]) gathers its whole subtree; while it
   runs, no hook of a module inside it does anything. Its inputs pass through
   `LeafEntry`, whose backward ends the leaf's backward.
+- under `torch.compile`, see [Note: stage 3 under torch.compile]
+  (`zerodp.params.compiled`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from zerodp._tree import grad_tensors_in
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import BackwardLifecycle
+from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.leaf import enter_leaf
 from zerodp.params.saved_tensors import SavedTensorGatherer
@@ -64,14 +67,69 @@ class Stage3ModuleHooks:
         ]
 
     def install(self) -> list[RemovableHandle]:
+        """One pre- and one post-hook per module, chosen once by what the module is, so that
+        dynamo compiles each hook at most once per module class (no per-module guards)."""
         handles = []
-        pre_forward = self.lifecycle.hook(self._pre_forward)
+        self._observed_pre = self.lifecycle.hook(self._pre_forward)
+        self._eager_pre = run_eagerly(self._observed_pre)
+        self._eager_post = run_eagerly(self._post_forward)
+        inside_leaves = {
+            id(m)
+            for leaf in self.root.modules()
+            if self.coordinator.leaves.is_leaf(leaf)
+            for m in leaf.modules()
+            if m is not leaf
+        }
         for module in self.hooked_modules():
-            handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
+            is_leaf = self.coordinator.leaves.is_leaf(module)
+            gathers = module is self.root or is_leaf or self.coordinator.has_groups(module)
+            pre = self._pre_hook if gathers else self._pre_hook_inner
+            post = self._post_hook_leaf if is_leaf else self._post_hook
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(
-                module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True)
+                module.register_forward_hook(
+                    post if gathers else self._post_hook_inner,
+                    with_kwargs=True,
+                    # Inside a leaf the post-hook does nothing (the leaf's own always runs);
+                    # `always_call` there would make dynamo guard each module's hook id, a
+                    # recompile for every block (a raising forward's scopes are unwound).
+                    always_call=id(module) not in inside_leaves,
+                )
             )
         return handles
+
+    # While dynamo traces a forward (see [Note: stage 3 under torch.compile]), a module that
+    # gathers breaks the graph and runs its hook eagerly, unless a leaf is running (then the
+    # leaf's whole subtree is gathered and the hook does nothing); a module that gathers
+    # nothing does nothing. Outside compiled code every hook runs as it always does.
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None if UnitDepth.leaves else self._eager_pre(module, args, kwargs)
+        return self._observed_pre(module, args, kwargs)
+
+    def _pre_hook_inner(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return self._observed_pre(module, args, kwargs)
+
+    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            if not UnitDepth.leaves:
+                self._eager_post(module, args, kwargs, output)
+            return
+        self._post_forward(module, args, kwargs, output)
+
+    def _post_hook_leaf(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            self._eager_post(module, args, kwargs, output)
+            return
+        self._post_forward(module, args, kwargs, output)
+
+    def _post_hook_inner(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._post_forward(module, args, kwargs, output)
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -79,6 +137,7 @@ class Stage3ModuleHooks:
         starts_forward = module is self.root and not autograd_api.in_backward()
         if starts_forward:
             self._active_leaves.clear()  # left by a forward that died inside a leaf
+            UnitDepth.leaves = 0
         elif self._active_leaves:
             return None  # inside a leaf: its whole subtree is gathered already
         if starts_forward:
@@ -88,6 +147,7 @@ class Stage3ModuleHooks:
         leaf = self.coordinator.leaves.is_leaf(module)
         if leaf:
             self._active_leaves.append(module)
+            UnitDepth.leaves = len(self._active_leaves)
         if torch.is_grad_enabled() and self.coordinator.has_groups(module):
             if leaf:
                 entered = enter_leaf(args, kwargs, lambda: self._end_leaf_backward(module))
@@ -114,6 +174,7 @@ class Stage3ModuleHooks:
             if module is not self._active_leaves[-1]:
                 return  # a module inside the running leaf
             self._active_leaves.pop()
+            UnitDepth.leaves = len(self._active_leaves)
         self.coordinator.post_forward(module)
         if output is not None and torch.is_grad_enabled() and self.coordinator.has_groups(module):
             outputs = grad_tensors_in(output)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from zerodp.group import GroupState
+from zerodp.params.compiled import run_eagerly
 from zerodp.torch_internals import PlainTensorOps, is_noop_to
 
 # What to do once an operation has run: gets its result, returns what the caller sees.
@@ -178,6 +179,13 @@ def _dispatch(
     return result
 
 
+# What a graph being traced by torch.compile calls: a parameter that is still a
+# `ZeroParameter` is not gathered (gathered ones have the plain class), so the operation
+# runs eagerly, gathering on use, and the graph breaks there (see
+# [Note: stage 3 under torch.compile]); a block's graph never gets here.
+_traced_dispatch = run_eagerly(_dispatch)
+
+
 class ZeroParameter(nn.Parameter):
     """A sharded stage 3 parameter (see the module docstring)."""
 
@@ -189,6 +197,8 @@ class ZeroParameter(nn.Parameter):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if torch.compiler.is_compiling():
+            return _traced_dispatch(func, args, kwargs)
         return _dispatch(func, args, kwargs)
 
 

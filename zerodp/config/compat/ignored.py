@@ -54,6 +54,27 @@ class Ignored:
     differs: str = ""  # what to tell a config whose value asks for something else
 
 
+# DeepCompile's settings in DeepSpeed's `compile` block, with their defaults.
+_DEEPCOMPILE_KNOBS: tuple[tuple[str, Kind, Any], ...] = (
+    ("autoep_non_moe", BOOL, False),
+    ("free_activation", BOOL, False),
+    ("free_activation_threshold", INT, 10 * 1024 * 1024),
+    ("offload_activation", BOOL, False),
+    ("offload_activation_pin_memory", BOOL, True),
+    ("offload_opt_states", BOOL, False),
+    ("double_buffer", BOOL, True),
+    ("symmetric_memory", BOOL, False),
+    ("debug_log", BOOL, False),
+    ("offload_parameters", BOOL, False),
+    ("sync_before_reduce", BOOL, False),
+    ("sync_after_reduce", BOOL, False),
+    ("sync_before_allgather", BOOL, False),
+    ("sync_after_allgather", BOOL, False),
+    ("keep_int_input_tensors", BOOL, True),
+    ("keep_all_input_tensors", BOOL, False),
+    ("passes", nullable(LIST), None),
+)
+
 _FP16_ONLY = "bf16 needs no loss scaling (an fp16 key)"
 _NO_OFFLOAD = "a tuning of DeepSpeed's CPU offload; zerodp's offload needs none"
 _TORCH_PROFILER = "use torch.profiler"
@@ -457,5 +478,16 @@ IGNORED: tuple[Ignored, ...] = (
         "eigenvalue.verbose",
         BOOL,
         "zerodp reports eigenvalues through engine.block_eigenvalue and the monitors",
+    ),
+    # --- compile: DeepCompile's knobs (DeepCompile itself is unsupported) -------------------
+    *(
+        Ignored(
+            f"compile.{name}",
+            kind,
+            "a DeepCompile setting; zerodp compiles with torch.compile, not DeepCompile",
+            _is(default),
+            "DeepCompile is not implemented",
+        )
+        for name, kind, default in _DEEPCOMPILE_KNOBS
     ),
 )

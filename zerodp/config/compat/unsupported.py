@@ -166,10 +166,11 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         _disabled,
     ),
     Unsupported(
-        "compile",
+        "compile.deepcompile",
         "DeepCompile",
-        'apply torch.compile to your model yourself; set "deepcompile": false',
-        lambda v: isinstance(v, dict) and not v.get("deepcompile", False),
+        'set "deepcompile": false; "enabled": true compiles the model (or its blocks) with '
+        "torch.compile",
+        _is(False),
     ),
     Unsupported(
         "gradient_allreduce_op",
