@@ -1,15 +1,20 @@
-"""Small pure pieces of the reliability work: config keys, the timeout's sources, leftovers."""
+"""Small pure pieces of the reliability work: config keys, the timeout's sources, leftovers,
+which collective failures are named."""
 
 from __future__ import annotations
 
 import datetime
 
 import pytest
+import torch
 
 import zerodp
 from zerodp.checkpoint import paths
+from zerodp.comm.collectives import Handle
 from zerodp.comm.group import comms_timeout
+from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.config import load_config
+from zerodp.errors import CollectiveError
 
 
 def test_the_new_config_keys_are_validated() -> None:
@@ -43,3 +48,57 @@ def test_only_zerodp_s_own_temporary_entries_are_cleaned(tmp_path) -> None:
         (tmp_path / name).mkdir()
     assert sorted(paths.clean_leftovers(tmp_path)) == sorted(ours)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(theirs)
+
+
+class _FakeComm:
+    """Just what `recorded` reads: a world size above one and a history."""
+
+    world_size = 2
+
+    def __init__(self, error: RuntimeError) -> None:
+        self.history = CollectiveHistory(rank=0)
+        self.error = error
+
+    @recorded("all_gather")
+    def all_gather(self, output: torch.Tensor) -> None:
+        raise self.error
+
+
+class _FailingWork:
+    def __init__(self, error: RuntimeError) -> None:
+        self.error = error
+
+    def wait(self) -> None:
+        raise self.error
+
+
+def test_running_out_of_memory_in_a_collective_is_not_blamed_on_a_peer() -> None:
+    """An allocation failure inside a collective (gloo's own buffers, a CUDA OOM) stays the
+    allocator's error; a backend failure about the peers becomes the named CollectiveError."""
+    out_of_memory = [
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"
+        ),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ]
+    for error in out_of_memory:
+        with pytest.raises(type(error)) as caught:
+            _FakeComm(error).all_gather(torch.empty(4))
+        assert not isinstance(caught.value, CollectiveError)
+        handle = Handle(_FailingWork(error))
+        handle.track(*_tracked())
+        with pytest.raises(type(error)) as caught:
+            handle.wait()
+        assert not isinstance(caught.value, CollectiveError)
+    peer = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    with pytest.raises(CollectiveError, match="all_gather #1"):
+        _FakeComm(peer).all_gather(torch.empty(4))
+    handle = Handle(_FailingWork(peer))
+    handle.track(*_tracked())
+    with pytest.raises(CollectiveError, match="reduce_scatter #1"):
+        handle.wait()
+
+
+def _tracked() -> tuple[CollectiveRecord, CollectiveHistory]:
+    history = CollectiveHistory(rank=0)
+    return history.issue("reduce_scatter", 64), history

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
+from zerodp.comm.history import CollectiveHistory, CollectiveRecord, passes_through, recorded
 from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
-from zerodp.errors import AGREED_TYPES, AgreedError, ZeroDPError
+from zerodp.errors import AGREED_TYPES, AgreedError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,8 +95,8 @@ class Handle:
                 else:
                     wait_timed(self._work, self._on_stall)
             except RuntimeError as error:
-                if self._history is None or self._record is None or isinstance(error, ZeroDPError):
-                    raise  # zerodp's own errors (a divergence found while waiting) pass through
+                if self._history is None or self._record is None or passes_through(error):
+                    raise  # zerodp's own (a divergence found while waiting), out of memory
                 raise self._history.failed(self._record, error) from error
             self._work = None
             if self._history is not None and self._record is not None:

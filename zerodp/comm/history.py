@@ -87,6 +87,18 @@ class CollectiveHistory:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_OUT_OF_MEMORY = ("can't allocate memory", "out of memory")
+
+
+def passes_through(error: RuntimeError) -> bool:
+    """Errors a collective raises that are not about its peers, so not a `CollectiveError`:
+    zerodp's own, and this rank running out of memory (inside the backend's buffers too),
+    which the message "a peer process died" would misname."""
+    if isinstance(error, (ZeroDPError, torch.OutOfMemoryError)):
+        return True
+    text = str(error).lower()
+    return any(marker in text for marker in _OUT_OF_MEMORY)
+
 
 def recorded(kind: str) -> Callable[[F], F]:
     """Record a `Comm` method's collective in `self.history`; a backend failure in it (or in
@@ -102,7 +114,7 @@ def recorded(kind: str) -> Callable[[F], F]:
             try:
                 result = method(self, *args, **kwargs)
             except RuntimeError as error:
-                if isinstance(error, ZeroDPError):
+                if passes_through(error):
                     raise
                 raise history.failed(record, error) from error
             track = getattr(result, "track", None)
