@@ -23,6 +23,18 @@ class TinyNet(nn.Module):
         return self.fc2(torch.tanh(self.norm(self.fc1(x))))
 
 
+class DropoutNet(nn.Module):
+    """TinyNet with dropout, so that resuming must also restore the random generators."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = TinyNet()
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.drop(x))
+
+
 class TiedLM(nn.Module):
     """Input and output embeddings tied (the same Parameter registered in two modules)."""
 

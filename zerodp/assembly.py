@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer, GradStorage
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
+from zerodp.comm.group import comms_timeout
 from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
@@ -175,6 +177,7 @@ def assemble(
             max_reuse_distance=zero.stage3_max_reuse_distance,
             reducer=reducer,
             check_order=zero.stage3_check_order,
+            order_timeout_s=_seconds(comms_timeout(config.comms_timeout_s)),
         )
     else:
         params = ResidentParams(groups, comm, publish_after_step=strategy.gathers_params_after_step)
@@ -438,3 +441,7 @@ def _data_loader(
         drop_last=config.dataloader_drop_last,
         seed=config.seed or 0,
     )
+
+
+def _seconds(timeout: datetime.timedelta | None) -> float | None:
+    return None if timeout is None else timeout.total_seconds()

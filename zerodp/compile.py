@@ -66,7 +66,14 @@ def prepare_stage3(model: nn.Module, config: CompileConfig) -> None:
     compile) leaves, so their subtree is gathered at their boundary."""
     units = compiled_units(model)
     if config.enabled:
-        units += [b for b in _blocks_or_error(model) if b not in units]
+        # Per block: the compiled blocks; whole model: its blocks all the same (the graph
+        # breaks at their boundaries), if it has any.
+        blocks = (
+            _blocks_or_error(model)
+            if compiles_per_block(config, stage=3)
+            else repeated_blocks(_inner(model))
+        )
+        units += [b for b in blocks if b not in units]
     mark_leaf_modules(units)
 
 

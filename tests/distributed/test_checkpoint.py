@@ -16,23 +16,11 @@ from torch.utils.data import TensorDataset
 
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
-from tests.models import LifecycleNet, TinyNet, tiny_inputs
+from tests.models import DropoutNet, LifecycleNet, TinyNet, tiny_inputs
 from zerodp.testing import DistributedTestError, ReferenceDP, run_distributed
 from zerodp.testing.parity import assert_params_match
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class DropoutNet(nn.Module):
-    """TinyNet with dropout, so that resuming must also restore the random generators."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = TinyNet()
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(self.drop(x))
 
 
 # What every checkpoint test trains with: a scheduler and a seed, so that resuming must restore

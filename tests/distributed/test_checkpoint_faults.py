@@ -26,23 +26,11 @@ from torch.utils.data import TensorDataset
 
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
-from tests.models import TinyNet
+from tests.models import DropoutNet
 from zerodp.checkpoint import paths
 from zerodp.checkpoint.safe_metadata import read_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class DropoutNet(nn.Module):
-    """TinyNet with dropout: resuming must restore the random generators as well."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = TinyNet()
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(self.drop(x))
 
 
 def _config(stage: int, gas: int = 1, optimizer: str = "AdamW", **extra) -> dict:

@@ -225,6 +225,16 @@ def _embedded_model() -> MLPStack:
     return MLPStack()
 
 
+def _blockless_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(CFG.d_model, CFG.d_model), nn.Tanh(), nn.Linear(CFG.d_model, 1))
+
+
+def _square_loss(engine: Any, tokens: torch.Tensor) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(int(tokens.sum()))
+    return engine(torch.randn(2, CFG.seq_len, CFG.d_model, generator=generator)).square().mean()
+
+
 def _gradient_penalty(engine: Any, tokens: torch.Tensor) -> torch.Tensor:
     """A loss plus the squared norm of its gradient with respect to the input."""
     generator = torch.Generator().manual_seed(int(tokens.sum()))
@@ -245,6 +255,7 @@ def run_lifecycle(stage: int) -> int:
             torch.manual_seed(0)
             model = CheckpointedGPT(CFG) if build_model is None else build_model()
             section = {"enabled": compiled, "backend": BACKEND, "per_block": True}
+            counters.clear()
             engine = zerodp.initialize(model=model, config=_config(stage, section))[0]
             if name == "seed":
                 outs = [o for tokens in batches for o in _seed_pattern(engine, tokens)]
@@ -252,7 +263,20 @@ def run_lifecycle(stage: int) -> int:
             else:
                 results.append(_train(engine, batches, _gpt_loss))
             engine.destroy()
+            graphs = counters["stats"]["unique_graphs"]
+            assert (graphs > 0) == compiled, f"stage {stage} {name}: {graphs} graphs compiled"
         compared += _compare(f"stage {stage} {name}", results[0], results[1])
+    # A model without repeated blocks, compiled whole by the config (`per_block: false`).
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        section = {"enabled": compiled, "backend": BACKEND, "per_block": False}
+        engine = zerodp.initialize(model=_blockless_model(), config=_config(stage, section))[0]
+        results.append(_train(engine, batches, _square_loss))
+        engine.destroy()
+        assert (counters["stats"]["unique_graphs"] > 0) == compiled
+    compared += _compare(f"stage {stage} whole model without blocks", results[0], results[1])
     # The gradient penalty: AOT autograd refuses double backward; forced eager it is exact.
     torch._dynamo.reset()
     eager = zerodp.initialize(model=_embedded_model(), config=_config(stage))[0]
@@ -274,8 +298,9 @@ def run_lifecycle(stage: int) -> int:
 def test_lifecycle_patterns_under_compile(pools, stage: int) -> None:
     weights = len(list(_model().parameters()))
     mlp_weights = len(list(_embedded_model().parameters()))
+    blockless_weights = len(list(_blockless_model().parameters()))
     for compared in pools(2).run(run_lifecycle, stage, timeout_s=900):
-        assert compared == (2 + weights) + (2 + weights) + (2 + mlp_weights)
+        assert compared == (2 + weights) * 2 + (2 + blockless_weights) + (2 + mlp_weights)
 
 
 def test_compile_block_is_validated() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 
 import pytest
 import torch
@@ -37,6 +38,8 @@ from tests.moe_models import (
     two_expert_inputs,
     vision_inputs,
 )
+from zerodp.comm.group import comms_timeout
+from zerodp.comm.order import DEFAULT_TIMEOUT_S
 from zerodp.testing import ReferenceDP, run_distributed
 from zerodp.testing.parity import assert_params_match
 
@@ -255,6 +258,25 @@ def test_the_same_new_path_everywhere_is_no_error(pools) -> None:
 
 def test_the_check_can_be_turned_off(pools) -> None:
     assert pools(2).run(_order_of_unchecked) == [True, True]
+
+
+def test_a_checked_pass_waits_as_long_as_a_collective(pools) -> None:
+    """The store wait of a checked pass is bounded by comms_timeout_s, as collectives are."""
+    from_env = comms_timeout(None)  # $ZERODP_COMMS_TIMEOUT_S, if the environment sets it
+    default = DEFAULT_TIMEOUT_S if from_env is None else from_env.total_seconds()
+    assert pools(2).run(_order_timeouts) == [(default, 42.0)] * 2
+
+
+def _order_timeouts() -> tuple[float, float]:
+    timeouts = []
+    for extra in ({}, {"comms_timeout_s": 42}):
+        config = zerodp_config(3, optimizer=SGD, persistence_threshold=0, **extra)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the pool's process group exists already
+            engine, _, _, _ = zerodp.initialize(model=LifecycleNet(), config=config)
+        timeouts.append(engine.params.order.timeout_s)
+        engine.destroy()
+    return timeouts[0], timeouts[1]
 
 
 def _order_of_unchecked() -> bool:

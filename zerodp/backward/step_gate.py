@@ -169,7 +169,7 @@ class StepGate:
             return False
         if bool(torch.isfinite(norm).item()):
             return False
-        self._count_non_finite(norm, global_step)
+        self.non_finite_steps += 1  # (the monitor reports the count at each boundary)
         what = self._describe(norm, global_step)
         if self.on_non_finite == "raise":
             raise NonFiniteError(
@@ -189,15 +189,12 @@ class StepGate:
         norm, global_step = pending
         if bool(torch.isfinite(norm).item()):
             return
-        self._count_non_finite(norm, global_step)
+        self.non_finite_steps += 1  # (the monitor reports the count at each boundary)
         warnings.warn(
             f"{self._describe(norm, global_step)}; the weights become non-finite; set "
             "on_non_finite to 'skip' or 'raise'",
             stacklevel=5,
         )
-
-    def _count_non_finite(self, norm: torch.Tensor, global_step: int) -> None:
-        self.non_finite_steps += 1  # (the monitor reports the count at each boundary)
 
     @staticmethod
     def _describe(norm: torch.Tensor, global_step: int) -> str:

@@ -23,11 +23,6 @@ from zerodp.checkpoint.safe_metadata import METADATA_FILE, SafeReader
 from zerodp.checkpoint.sharded import quiet_sharded_tensor_warnings
 from zerodp.errors import CheckpointError, ZeroDPError
 
-try:
-    from torch.distributed.checkpoint.api import CheckpointException
-except ImportError:  # pragma: no cover - older torch
-    CheckpointException = Exception  # type: ignore[assignment,misc]
-
 
 def full_state_dict_from_checkpoint(
     checkpoint_dir: str | Path, tag: str | None = None, verify_checksums: bool = True
@@ -38,7 +33,7 @@ def full_state_dict_from_checkpoint(
         return _full_state_dict(checkpoint_dir, tag, verify_checksums)
     except (ZeroDPError, ValueError, OSError):
         raise
-    except (Exception, CheckpointException) as error:
+    except integrity.CHECKPOINT_FAILURES as error:
         raise CheckpointError(f"reading checkpoint '{checkpoint_dir}' failed: {error}") from error
 
 

@@ -17,6 +17,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from zerodp.checkpoint.safe_metadata import read_metadata
 from zerodp.errors import CheckpointError
 
+# What DCP raises: `CheckpointException` derives from BaseException, so `except Exception`
+# alone would let it escape past every agreement point.
+try:
+    from torch.distributed.checkpoint.api import CheckpointException
+except ImportError:  # pragma: no cover - older torch
+    CheckpointException = Exception  # type: ignore[assignment,misc]
+
+CHECKPOINT_FAILURES = (Exception, CheckpointException)
+
 __all__ = ["check_files", "check_model", "read_metadata", "saved_keys"]
 
 

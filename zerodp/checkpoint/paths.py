@@ -193,10 +193,8 @@ def commit(directory: Path, temp_name: str, tag: str) -> Path:
 
 def write_latest(directory: Path, tag: str) -> None:
     handle, staging = tempfile.mkstemp(dir=directory, prefix=f"{TEMP_PREFIX}{LATEST}.")
-    with os.fdopen(handle, "w") as file:
-        file.write(tag)
-        file.flush()
-        os.fsync(file.fileno())
+    os.close(handle)
+    write_file_synced(Path(staging), tag.encode())
     _step("latest_staged")
     os.replace(staging, directory / LATEST)
     fsync_directory(directory)

@@ -43,14 +43,7 @@ from zerodp.errors import CheckpointError, CheckpointStorageError, ZeroDPError
 
 logger = logging.getLogger("zerodp")
 
-# What DCP raises: `CheckpointException` derives from BaseException, so `except Exception`
-# alone would let it escape past every agreement point.
-try:
-    from torch.distributed.checkpoint.api import CheckpointException
-except ImportError:  # pragma: no cover - older torch
-    CheckpointException = Exception  # type: ignore[assignment,misc]
-
-_FAILURES = (Exception, CheckpointException)
+_FAILURES = integrity.CHECKPOINT_FAILURES
 
 
 def save_checkpoint(

@@ -53,6 +53,7 @@ from zerodp.errors import DivergenceError
 Entry = tuple[str, int]  # (operation, group order); END closes a pass
 END: Entry = ("end", -1)
 POLL_S = STALL_POLL_S  # how often a waiting rank looks at the store
+DEFAULT_TIMEOUT_S = 1800.0  # without comms_timeout_s: torch's default for gloo
 
 _INSTANCES = itertools.count()  # every rank builds its engines in the same order
 
@@ -105,13 +106,14 @@ class CollectiveOrder:
         describe: Callable[[Entry], str],
         advise: Callable[[list[Entry]], str],
         poll_s: float = POLL_S,
-        timeout_s: float = 1800.0,
+        timeout_s: float | None = None,
         watch_waits: bool = True,
     ) -> None:
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.poll_s = poll_s
-        self.timeout_s = timeout_s
+        # A checked pass waits for every rank's post as long as a collective may wait.
+        self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._describe = describe
         self._advise = advise
         prefix = f"zerodp/order/{next(_INSTANCES)}/"

@@ -50,6 +50,13 @@ class GroupState:
         return self.flat.persistent
 
     @property
+    def sharded_gather(self) -> GatherState:
+        """The gather state of a group known to be sharded (stage 3, not persistent)."""
+        if self.gather is None:  # pragma: no cover - callers hold sharded groups only
+            raise RuntimeError(f"internal error: {self} is not sharded")
+        return self.gather
+
+    @property
     def status(self) -> ParamStatus:
         """Whether the full buffer is present now (a persistent group's always is)."""
         return ParamStatus.AVAILABLE if self.gather is None else self.gather.status

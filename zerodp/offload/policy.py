@@ -42,10 +42,6 @@ class OffloadPolicy:
     params_path: Path | None
 
     @classmethod
-    def none(cls) -> OffloadPolicy:
-        return cls(Placement.DEVICE, Placement.DEVICE, 1.0, False, None, None)
-
-    @classmethod
     def from_config(cls, zero: ZeroOptimizationConfig, device: torch.device) -> OffloadPolicy:
         optimizer, params = zero.offload_optimizer, zero.offload_param
         opt_place = _PLACEMENT[optimizer.device] if optimizer is not None else Placement.DEVICE

@@ -71,14 +71,7 @@ class LeafGradients(Protocol):
 
 
 def _numel_of(state: GroupState) -> int:
-    return _gather_of(state).numel
-
-
-def _gather_of(state: GroupState) -> GatherState:
-    gather = state.gather
-    if gather is None:  # pragma: no cover - the coordinator only holds sharded groups
-        raise RuntimeError(f"internal error: {state} is not sharded")
-    return gather
+    return state.sharded_gather.numel
 
 
 class ParamCoordinator:
@@ -189,7 +182,7 @@ class ParamCoordinator:
                 break
             if state not in kept:
                 kept.add(state)
-                budget -= _gather_of(state).numel
+                budget -= state.sharded_gather.numel
         return kept
 
     def pre_forward(self, module: nn.Module) -> None:
@@ -199,7 +192,7 @@ class ParamCoordinator:
         for state in self.groups_of_module(module):
             self._gather(state, trace)
             if not scope.in_backward:
-                _gather_of(state).hold()
+                state.sharded_gather.hold()
                 scope.held.append(state)
 
     def post_forward(self, module: nn.Module) -> None:
@@ -210,7 +203,7 @@ class ParamCoordinator:
             return
         scope = self._scopes.pop()
         for state in scope.held:
-            _gather_of(state).unhold()
+            state.sharded_gather.unhold()
             self._release_unless_reused(state, self.forward_trace)
 
     # -- backward ------------------------------------------------------------------
@@ -256,7 +249,7 @@ class ParamCoordinator:
         """A forward or backward died part-way: release everything, forget all scopes."""
         self._scopes.clear()
         for state in self.states:
-            _gather_of(state).drop_holds()
+            state.sharded_gather.drop_holds()
         self.release_unheld()
         if self.order is not None:
             self.order.abandon()
@@ -304,7 +297,7 @@ class ParamCoordinator:
 
     def ensure_available_for_unpack(self, state: GroupState) -> None:
         """Autograd unpacks a saved tensor that shares `state`'s full storage."""
-        if _gather_of(state).status is not ParamStatus.AVAILABLE:
+        if state.sharded_gather.status is not ParamStatus.AVAILABLE:
             self._gather(state, trace=None)
 
     # -- held blocks (GatheredParameters) ---------------------------------------------
@@ -315,10 +308,10 @@ class ParamCoordinator:
 
     def hold(self, state: GroupState) -> None:
         self._gather(state, trace=None)
-        _gather_of(state).hold()
+        state.sharded_gather.hold()
 
     def unhold(self, state: GroupState) -> None:
-        _gather_of(state).unhold()
+        state.sharded_gather.unhold()
         self._release(state)
 
     def gather_all(self) -> None:
@@ -329,7 +322,7 @@ class ParamCoordinator:
     # -- internals -----------------------------------------------------------------
 
     def _gather(self, state: GroupState, trace: ExecutionTrace[GroupState] | None) -> None:
-        gather = _gather_of(state)
+        gather = state.sharded_gather
         if gather.status is ParamStatus.NOT_AVAILABLE:
             self._issue(state, gather)
         if trace is not None and trace.request(state):
@@ -350,7 +343,7 @@ class ParamCoordinator:
         index = max(trace.position, trace.frontier)
         while index < end:
             state = trace.item(index)
-            gather = _gather_of(state)
+            gather = state.sharded_gather
             if gather.status is ParamStatus.NOT_AVAILABLE:
                 if self.live_numel + gather.numel > self.max_live_numel:
                     break  # over the live cap: the next request looks here again
@@ -394,7 +387,7 @@ class ParamCoordinator:
         self._release(state)
 
     def _release(self, state: GroupState) -> None:
-        gather = _gather_of(state)
+        gather = state.sharded_gather
         if gather.release_if_unused():
             self.live_numel -= gather.numel
 
@@ -420,5 +413,5 @@ class ParamCoordinator:
         while self._scopes and self._scopes[-1].module is not module:
             scope = self._scopes.pop()
             for state in scope.held:
-                _gather_of(state).unhold()
+                state.sharded_gather.unhold()
                 self._release(state)

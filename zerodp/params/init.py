@@ -161,12 +161,12 @@ class InitOwner:
         return self.index.state_of(param)
 
     def hold(self, state: GroupState) -> None:
-        gather = _gather_of(state)
+        gather = state.sharded_gather
         gather.to_available()
         gather.hold()
 
     def unhold(self, state: GroupState) -> None:
-        gather = _gather_of(state)
+        gather = state.sharded_gather
         gather.unhold()
         gather.release_if_unused()
 
@@ -174,7 +174,7 @@ class InitOwner:
         state = self.index.state_of(param)
         if state is None:
             return None
-        gather = _gather_of(state)
+        gather = state.sharded_gather
 
         def track(result: Any) -> Any:
             return _track_aliases(result, param, storage_key(state.flat.full))
@@ -252,12 +252,6 @@ def _track_aliases(result: Any, source: nn.Parameter, key: int) -> Any:
     return result
 
 
-def _gather_of(state: GroupState) -> GatherState:
-    if state.gather is None:  # pragma: no cover - Init only makes sharded groups
-        raise RuntimeError(f"internal error: {state} is not sharded")
-    return state.gather
-
-
 def init_groups(module: nn.Module) -> list[GroupState]:
     """The groups `Init` sharded for `module`'s parameters, in parameter order."""
     found: list[GroupState] = []
@@ -299,7 +293,7 @@ def adopt_init_groups(
             and all(p.numel() >= persistence_threshold for p in params)
         )
         if not keep:
-            _gather_of(state).to_available()
+            state.sharded_gather.to_available()
         for param in params:
             zero_parameter.release(param)
         if keep:

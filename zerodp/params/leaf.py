@@ -84,21 +84,23 @@ def set_leaf_modules(
     model: nn.Module, classes: Sequence[LeafSpec], raise_if_not_found: bool = True
 ) -> list[nn.Module]:
     """Mark every module of `model` of one of `classes` (types, or class names) as a leaf."""
-    found = _matching(model, list(classes))
-    if not found and raise_if_not_found:
-        raise _no_match(list(classes), model)
-    _mark(found, on=True)
-    return found
+    return _mark_matching(model, classes, raise_if_not_found, on=True)
 
 
 def unset_leaf_modules(
     model: nn.Module, classes: Sequence[LeafSpec], raise_if_not_found: bool = True
 ) -> list[nn.Module]:
     """Remove the leaf mark from every module of `model` of one of `classes`."""
+    return _mark_matching(model, classes, raise_if_not_found, on=False)
+
+
+def _mark_matching(
+    model: nn.Module, classes: Sequence[LeafSpec], raise_if_not_found: bool, *, on: bool
+) -> list[nn.Module]:
     found = _matching(model, list(classes))
     if not found and raise_if_not_found:
         raise _no_match(list(classes), model)
-    _mark(found, on=False)
+    _mark(found, on=on)
     return found
 
 

@@ -96,22 +96,12 @@ class ExecutionTrace(Generic[T]):
             self.phase = TracePhase.REPLAYING
 
     @property
-    def replaying(self) -> bool:
-        return self.phase is TracePhase.REPLAYING
-
-    @property
     def position(self) -> int:
         """Index of the next expected item in the recording."""
         return self._position
 
     def item(self, index: int) -> T:
         return self._recorded[index]
-
-    def upcoming(self) -> list[T]:
-        """What the recording expects next in this pass (nothing unless replaying)."""
-        if self.phase is not TracePhase.REPLAYING:
-            return []
-        return self._recorded[self._position :]
 
     def window_end(self, budget: int) -> int:
         """The end of the items due next whose sizes, counted from the next one on, start

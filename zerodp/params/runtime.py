@@ -19,18 +19,12 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
 from zerodp.comm.order import CollectiveOrder
-from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
+from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.divergence import DivergenceExplainer
 from zerodp.params.module_hooks import Stage3ModuleHooks
 from zerodp.params.saved_tensors import SavedTensorGatherer
-
-
-def _gather_of(state: GroupState) -> GatherState:
-    if state.gather is None:  # pragma: no cover - sharded states always have one
-        raise RuntimeError(f"internal error: {state} is not sharded")
-    return state.gather
 
 
 def all_gather_full(states: list[GroupState], comm: Comm) -> None:
@@ -88,6 +82,7 @@ class Stage3Runtime:
         max_reuse_distance: int,
         reducer: GradientReducer | None = None,
         check_order: bool = True,
+        order_timeout_s: float | None = None,
     ) -> None:
         self.index = index
         self.comm = comm
@@ -114,7 +109,11 @@ class Stage3Runtime:
             explainer = DivergenceExplainer(root, index)
             on_cpu = all(s.flat.device.type == "cpu" for s in index)
             self.order = CollectiveOrder(
-                comm, describe=explainer.describe, advise=explainer.advise, watch_waits=on_cpu
+                comm,
+                describe=explainer.describe,
+                advise=explainer.advise,
+                timeout_s=order_timeout_s,
+                watch_waits=on_cpu,
             )
             self.coordinator.order = self.order
             if reducer is not None:
@@ -132,7 +131,7 @@ class Stage3Runtime:
             for param in state.params:
                 zero_parameter.adopt(param, self.coordinator)
             # Guarded only while released: see `GatherState.guard_with`.
-            _gather_of(state).guard_with(nn.Parameter, zero_parameter.ZeroParameter)
+            state.sharded_gather.guard_with(nn.Parameter, zero_parameter.ZeroParameter)
 
     @property
     def sharded_states(self) -> list[GroupState]:
@@ -173,7 +172,7 @@ class Stage3Runtime:
         Not after a `DivergenceError`: no collective can be trusted then, so it is raised
         again and the parameters stay sharded.
         """
-        if self.order is not None and self.order.failed:
+        if self.order is not None:
             self.order.raise_if_failed()
         for handle in self._handles:
             handle.remove()
