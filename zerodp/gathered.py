@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zerodp.comm import Comm, broadcast_tensors, ensure_process_group
+from zerodp.errors import ParamStateError
 from zerodp.group import GroupState
 from zerodp.managed import manager_of
 from zerodp.params import zero_parameter
@@ -88,11 +89,29 @@ class GatheredParameters:
             elif all(state is not s for s in states):
                 states.append(state)
         states.sort(key=lambda s: s.order)
-        broadcast_tensors(_comm_for(self.params), [s.flat.full for s in states] + loose, src=src)
+        comm = _comm_for(self.params)
+        if states:
+            comm.raise_if_any_failed(_take_replaced_data(states, keep=comm.rank == src))
+        broadcast_tensors(comm, [s.flat.full for s in states] + loose, src=src)
         for state in states:
             state.flat.take_shard_from_full()
             if state.optim is not None:
                 state.optim.refresh_from_model()
+
+
+def _take_replaced_data(states: list[GroupState], keep: bool) -> ParamStateError | None:
+    """`param.data = t` inside the block: the modifier rank's `t` is kept (broadcast like
+    any write), another rank's dropped; what cannot be kept is an error, which the caller
+    makes every rank's before anything is broadcast."""
+    try:
+        for state in states:
+            if keep:
+                state.flat.adopt_replaced()
+            else:
+                state.flat.drop_replaced()
+    except ParamStateError as error:
+        return error
+    return None
 
 
 def _state_of(param: nn.Parameter) -> GroupState | None:

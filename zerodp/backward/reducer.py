@@ -104,7 +104,8 @@ class _RunningTask:
     contribution_scale: float  # multiplies contributions on their way in (fp16, see begin_task)
     has_contributions: bool = False
     next_launch: int = 0  # groups before this index have been launched in this task
-    unsettled: set[GroupState] = field(default_factory=set)  # held back until `settle`
+    held_back: frozenset[GroupState] = frozenset()  # launched and released at `settle` only
+    unsettled: set[GroupState] = field(default_factory=set)  # held back, not yet settled
 
 
 def _kept(state: GroupState) -> KeptGradient:
@@ -167,6 +168,7 @@ class GradientReducer:
         self._task = _RunningTask(
             is_boundary=is_boundary,
             contribution_scale=contribution_scale,
+            held_back=self._held_back,
             unsettled=set(self._held_back),
         )
         if self.param_grads is not None:
@@ -212,7 +214,8 @@ class GradientReducer:
                 kept.task.bucket_written[position] = True
         if kept.task.mark(position) and kept.task.complete:
             self._launch_ready()
-            self.on_contributions_complete.emit(state)
+            if state not in self._task.held_back:  # a leaf's groups go when the leaf is done
+                self.on_contributions_complete.emit(state)
 
     def hold_back(self, states: frozenset[GroupState]) -> None:
         """From the next task on, launch these groups only once `settle` names them."""

@@ -49,8 +49,7 @@ class StepGate:
         self.state = GradientState.CLEAN
         self.non_finite_steps = 0  # optimizer steps whose gradient norm was inf or NaN
         self._pending_norm: tuple[torch.Tensor, int] | None = None  # "warn": read next step
-        self._warned_clean_step = False
-        self._warned_no_backward = False
+        self._warned_empty_step = False  # one warning, for either kind of empty step
         self._backward_since_step = False
         self._last_step_had_backward = False
         self._closed = False
@@ -128,29 +127,28 @@ class StepGate:
                     "micro-batch that never ran); call engine.step() once per backward, "
                     "and not optimizer.step() as well"
                 )
-            if not self._warned_no_backward:
-                self._warned_no_backward = True
-                warnings.warn(
-                    "step() with no backward since the last step: it steps anyway (as "
-                    "DeepSpeed does), which still moves the weights of optimizers with "
-                    "momentum; run a backward before each step",
-                    stacklevel=4,
-                )
+            self._warn_empty_step(
+                "step() with no backward since the last step: it steps anyway (as "
+                "DeepSpeed does), which still moves the weights of optimizers with "
+                "momentum; run a backward before each step"
+            )
         self._last_step_had_backward = self._backward_since_step
         self._backward_since_step = False
 
     def warn_if_nothing_to_apply(self) -> None:
         """An optimizer step with no backward since the last one still moves momentum."""
-        if self.state is GradientState.CLEAN and not (
-            self._warned_clean_step or self._warned_no_backward
-        ):
-            self._warned_clean_step = True
-            warnings.warn(
+        if self.state is GradientState.CLEAN:
+            self._warn_empty_step(
                 "optimizer step with no backward since the last step (or zero_grad): the "
                 "gradients are zero, but optimizers with momentum (Adam, SGD with momentum) "
-                "still move the weights; run a backward before each step",
-                stacklevel=4,
+                "still move the weights; run a backward before each step"
             )
+
+    def _warn_empty_step(self, message: str) -> None:
+        """Once per engine, whichever way a step came to have nothing new to apply."""
+        if not self._warned_empty_step:
+            self._warned_empty_step = True
+            warnings.warn(message, stacklevel=5)
 
     def skip_non_finite(self, norm: torch.Tensor, global_step: int) -> bool:
         """Apply the `on_non_finite` policy to a step's global gradient norm (fp32, bf16).

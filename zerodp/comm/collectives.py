@@ -18,7 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodp.comm.history import CollectiveHistory, CollectiveRecord, passes_through, recorded
+from zerodp.comm.history import (
+    CollectiveHistory,
+    CollectiveRecord,
+    passes_through,
+    recorded,
+    tensor_nbytes,
+)
 from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
 from zerodp.errors import AGREED_TYPES, AgreedError
 
@@ -128,7 +134,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
-        self.stats.record(CollectiveKind.ALL_REDUCE, _nbytes(tensor))
+        self.stats.record(CollectiveKind.ALL_REDUCE, tensor_nbytes(tensor))
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall) if async_op else _DONE
@@ -150,7 +156,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DONE
-        self.stats.record(CollectiveKind.REDUCE_SCATTER, _nbytes(input))
+        self.stats.record(CollectiveKind.REDUCE_SCATTER, tensor_nbytes(input))
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall, timed=False) if async_op else _DONE
 
@@ -168,7 +174,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DONE
-        self.stats.record(CollectiveKind.ALL_GATHER, _nbytes(output))
+        self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output))
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall) if async_op else _DONE
 
@@ -176,7 +182,7 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
-        self.stats.record(CollectiveKind.BROADCAST, _nbytes(tensor))
+        self.stats.record(CollectiveKind.BROADCAST, tensor_nbytes(tensor))
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
         return Handle(work, self.on_stall) if async_op else _DONE
@@ -225,10 +231,6 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def broadcast_tensors(comm: Comm, tensors: list[torch.Tensor], src: int = 0) -> None:

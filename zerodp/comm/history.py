@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import CodeType
 from typing import Any, TypeVar
 
 import torch
@@ -38,9 +39,14 @@ class CollectiveRecord:
     number: int  # 1, 2, ... on this rank
     kind: str
     nbytes: int | None
-    site: str  # the caller of the collective: file:line function
+    caller: tuple[CodeType, int] | None  # the caller's code and line; formatted only if shown
     started: float
     finished: float | None = None
+
+    @property
+    def site(self) -> str:
+        """The caller of the collective: file:line function."""
+        return _format_site(self.caller)
 
     def describe(self, now: float) -> str:
         size = "" if self.nbytes is None else f", {_size(self.nbytes)}"
@@ -61,7 +67,7 @@ class CollectiveHistory:
 
     def issue(self, kind: str, nbytes: int | None) -> CollectiveRecord:
         self.count += 1
-        record = CollectiveRecord(self.count, kind, nbytes, _call_site(), time.monotonic())
+        record = CollectiveRecord(self.count, kind, nbytes, _caller(), time.monotonic())
         self.records.append(record)
         return record
 
@@ -129,24 +135,34 @@ def recorded(kind: str) -> Callable[[F], F]:
     return wrap
 
 
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _nbytes(args: tuple[Any, ...]) -> int | None:
     """The bytes of the largest tensor argument (the full tensor of the collective)."""
-    sizes = [a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)]
+    sizes = [tensor_nbytes(a) for a in args if isinstance(a, torch.Tensor)]
     return max(sizes) if sizes else None
 
 
-def _call_site() -> str:
-    """The first frame outside zerodp/comm: the zerodp code (or user code) that asked."""
+def _caller() -> tuple[CodeType, int] | None:
+    """The first frame outside zerodp/comm (the zerodp or user code that asked): its code
+    and line only, so that no frame (and none of its locals) is kept alive."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_COMM):
         frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:  # pragma: no cover
+    return None if frame is None else (frame.f_code, frame.f_lineno)
+
+
+def _format_site(caller: tuple[CodeType, int] | None) -> str:
+    if caller is None:  # pragma: no cover
         return "?"
-    name = frame.f_code.co_filename
+    code, line = caller
+    name = code.co_filename
     shown = name.removeprefix(_PACKAGE + "/") if name.startswith(_PACKAGE) else Path(name).name
     if name.startswith(_PACKAGE):
         shown = "zerodp/" + shown
-    return f"{shown}:{frame.f_lineno} {frame.f_code.co_name}"
+    return f"{shown}:{line} {code.co_name}"
 
 
 def _size(nbytes: int) -> str:

@@ -146,6 +146,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_step(self) -> None:
         """One optimizer step on the averaged gradients; the caller has checked it may run."""
+        self.adopt_replaced_params()
         if self._reducer.any_local:
             self._reducer.reduce_local()
         if self._offload is not None:
@@ -184,6 +185,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()
+
+    def adopt_replaced_params(self) -> None:
+        """Keep values written by `param.data = t` since the last step (see
+        `FlatGroup.adopt_replaced`): otherwise the step would update the group's buffer
+        while the parameter kept showing `t`, and it would never train again.
+
+        Groups whose full buffer is always there only; a stage 3 group drops such a
+        write when it is released, as it drops any write outside GatheredParameters.
+        """
+        for state in self._states:
+            if state.gather is None and state.flat.adopt_replaced() and state.optim is not None:
+                state.optim.refresh_from_model()
 
     def _skip_non_finite(self, norm: torch.Tensor) -> bool:
         try:

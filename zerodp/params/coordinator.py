@@ -230,10 +230,11 @@ class ParamCoordinator:
     def on_grads_complete(self, state: GroupState) -> None:
         """Every parameter of `state` has its gradient for this task: it can go.
 
-        Not a leaf's group: that is released when the leaf's backward is done, the same
-        point on every rank (a rank may complete a group early, another never).
+        Never a leaf's group (the reducer holds those back): that is released when the
+        leaf's backward is done, the same point on every rank (a rank may complete a
+        group early, another never).
         """
-        if state.gather is not None and not self.leaves.in_a_leaf(state):
+        if state.gather is not None:
             self._release(state)
 
     def end_backward(self) -> None:
@@ -388,6 +389,10 @@ class ParamCoordinator:
 
     def _release(self, state: GroupState) -> None:
         gather = state.sharded_gather
+        if gather.holds == 0 and gather.status is ParamStatus.AVAILABLE:
+            # `param.data = t` while gathered would leave the parameter holding `t` after
+            # the release, and every later gather would fill a buffer it no longer views.
+            state.flat.drop_replaced()
         if gather.release_if_unused():
             self.live_numel -= gather.numel
 

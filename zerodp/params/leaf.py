@@ -195,10 +195,6 @@ class LeafPlan:
         self._refresh()
         return self._subtree.get(leaf, [])
 
-    def in_a_leaf(self, state: GroupState) -> bool:
-        self._refresh()
-        return state in self._in_leaves
-
 
 class LeafEntry(torch.autograd.Function):
     """Identity on a leaf's inputs whose backward marks the end of the leaf's backward."""

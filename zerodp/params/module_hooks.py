@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Literal
 
 import torch
@@ -32,6 +33,14 @@ from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.leaf import enter_leaf
 from zerodp.params.saved_tensors import SavedTensorGatherer
+
+
+class HookRole(enum.Enum):
+    """What a hooked module's forward hooks do; chosen once per module, at install."""
+
+    GATHERS = "gathers"  # the root, or a module with sharded groups of its own
+    LEAF = "leaf"  # a leaf module: gathers its whole subtree, whose hooks then do nothing
+    INNER = "inner"  # groups only further down: under trace it does nothing at all
 
 
 class Stage3ModuleHooks:
@@ -80,15 +89,17 @@ class Stage3ModuleHooks:
             for m in leaf.modules()
             if m is not leaf
         }
+        hooks = {
+            HookRole.GATHERS: (self._pre_hook, self._post_hook),
+            HookRole.LEAF: (self._pre_hook, self._post_hook_leaf),
+            HookRole.INNER: (self._pre_hook_inner, self._post_hook_inner),
+        }
         for module in self.hooked_modules():
-            is_leaf = self.coordinator.leaves.is_leaf(module)
-            gathers = module is self.root or is_leaf or self.coordinator.has_groups(module)
-            pre = self._pre_hook if gathers else self._pre_hook_inner
-            post = self._post_hook_leaf if is_leaf else self._post_hook
+            pre, post = hooks[self._role_of(module)]
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(
                 module.register_forward_hook(
-                    post if gathers else self._post_hook_inner,
+                    post,
                     with_kwargs=True,
                     # Inside a leaf the post-hook does nothing (the leaf's own always runs);
                     # `always_call` there would make dynamo guard each module's hook id, a
@@ -97,6 +108,27 @@ class Stage3ModuleHooks:
                 )
             )
         return handles
+
+    def _role_of(self, module: nn.Module) -> HookRole:
+        if self.coordinator.leaves.is_leaf(module):
+            return HookRole.LEAF
+        if module is self.root or self.coordinator.has_groups(module):
+            return HookRole.GATHERS
+        return HookRole.INNER
+
+    def _push_leaf(self, leaf: nn.Module) -> None:
+        """A leaf's forward starts; `UnitDepth` tells traced hooks a leaf is running."""
+        self._active_leaves.append(leaf)
+        UnitDepth.leaves = len(self._active_leaves)
+
+    def _pop_leaf(self) -> None:
+        self._active_leaves.pop()
+        UnitDepth.leaves = len(self._active_leaves)
+
+    def _clear_leaves(self) -> None:
+        """A new forward: drop what a forward that died inside a leaf left."""
+        self._active_leaves.clear()
+        UnitDepth.leaves = 0
 
     # While dynamo traces a forward (see [Note: stage 3 under torch.compile]), a module that
     # gathers breaks the graph and runs its hook eagerly, unless a leaf is running (then the
@@ -136,8 +168,7 @@ class Stage3ModuleHooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         starts_forward = module is self.root and not autograd_api.in_backward()
         if starts_forward:
-            self._active_leaves.clear()  # left by a forward that died inside a leaf
-            UnitDepth.leaves = 0
+            self._clear_leaves()
         elif self._active_leaves:
             return None  # inside a leaf: its whole subtree is gathered already
         if starts_forward:
@@ -146,8 +177,7 @@ class Stage3ModuleHooks:
         self.coordinator.pre_forward(module)
         leaf = self.coordinator.leaves.is_leaf(module)
         if leaf:
-            self._active_leaves.append(module)
-            UnitDepth.leaves = len(self._active_leaves)
+            self._push_leaf(module)
         if torch.is_grad_enabled() and self.coordinator.has_groups(module):
             if leaf:
                 entered = enter_leaf(args, kwargs, lambda: self._end_leaf_backward(module))
@@ -173,8 +203,7 @@ class Stage3ModuleHooks:
         if self._active_leaves:
             if module is not self._active_leaves[-1]:
                 return  # a module inside the running leaf
-            self._active_leaves.pop()
-            UnitDepth.leaves = len(self._active_leaves)
+            self._pop_leaf()
         self.coordinator.post_forward(module)
         if output is not None and torch.is_grad_enabled() and self.coordinator.has_groups(module):
             outputs = grad_tensors_in(output)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerodp.errors import ParamStateError
 from zerodp.partition.layout import FlatLayout
 from zerodp.torch_internals import PlainTensorOps
 
@@ -154,6 +155,67 @@ class FlatGroup:
         if not self.persistent:
             start, end = self.shard_range
             self.shard.copy_(self.full[start:end])
+
+    # -- `param.data = t`: a parameter that no longer views the buffer -----------------
+
+    def replaced_params(self) -> list[int]:
+        """Positions of parameters whose `.data` was replaced (`param.data = t`).
+
+        Such a parameter shows `t` while the group goes on stepping, gathering
+        and saving its buffer: the assignment would be lost, or the parameter
+        would never train. Asked only while the full buffer is allocated; one
+        data-pointer comparison per parameter.
+        """
+        base, size = self.full.data_ptr(), self.full.element_size()
+        replaced = []
+        for position, (param, slot) in enumerate(zip(self.params, self.layout.slots, strict=True)):
+            if slot.numel and (
+                param.data_ptr() != base + slot.offset * size or param.shape != slot.shape
+            ):
+                replaced.append(position)
+        return replaced
+
+    def drop_replaced(self) -> None:
+        """Parameters whose `.data` was replaced view the buffer again; what they held is
+        dropped, as any other write to a gathered parameter is when it is released."""
+        self.reattach(self.replaced_params())
+
+    def reattach(self, positions: list[int]) -> None:
+        """The parameters at `positions` view the buffer again."""
+        for position in positions:
+            slot = self.layout.slots[position]
+            self.params[position].data = self.full[slot.offset : slot.end].view(slot.shape)
+
+    @torch.no_grad()
+    def adopt_replaced(self) -> bool:
+        """Keep what `param.data = t` wrote: `t`'s values go into the buffer, which the
+        parameter views again. True when anything was adopted.
+
+        A `t` of another shape, dtype or device cannot live in the buffer: that raises
+        `ParamStateError` before anything changes (dtypes and devices are set by the
+        config and `initialize`, not by `model.half()` or `model.to()` afterwards).
+        """
+        positions = self.replaced_params()
+        for position in positions:
+            value, slot = self.params[position].data, self.layout.slots[position]
+            if (tuple(value.shape), value.dtype, value.device) != (
+                slot.shape,
+                self.dtype,
+                self.full.device,
+            ):
+                raise ParamStateError(
+                    f"parameter {self.names[position]!r}: its `.data` was replaced after "
+                    f"zerodp.initialize by a tensor of shape {tuple(value.shape)}, {value.dtype} "
+                    f"on {value.device}; zerodp keeps it as {slot.shape}, {self.dtype} on "
+                    f"{self.full.device}. Write values in place instead "
+                    "(`param.data.copy_(t)`), and choose dtypes with the config's bf16/fp16 "
+                    "sections and the device before initialize"
+                )
+        for position in positions:
+            slot = self.layout.slots[position]
+            self.full[slot.offset : slot.end].copy_(self.params[position].data.reshape(-1))
+        self.reattach(positions)
+        return bool(positions)
 
     # -- the full buffer's storage (stage 3) -----------------------------------------
 
