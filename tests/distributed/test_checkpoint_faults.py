@@ -296,23 +296,52 @@ def save_versions(directory: str) -> dict[str, list[torch.Tensor]]:
     return {"first": first, "second": second}
 
 
+# The commit steps each kind of commit passes, in order (see [Note: atomic commit] in
+# zerodp.checkpoint.paths): a new tag is renamed into place; an existing one is exchanged with
+# the new copy, or, where the file system cannot exchange, renamed aside first.
+COMMIT_PATHS = {
+    "new": ("written", "renamed", "latest_staged", "latest_replaced", "old_removed"),
+    "existing": ("written", "swapped", "latest_staged", "latest_replaced", "old_removed"),
+    "existing-rename": (
+        "written",
+        "displaced",
+        "renamed",
+        "latest_staged",
+        "latest_replaced",
+        "old_removed",
+    ),
+}
+KILLED = 9  # the exit status of a child killed at its step; a finished commit exits 0
+
+
 def _kill_inside_commit(
     directory: Path, temp_name: str, tag: str, step: str, exchange: bool
-) -> None:
-    """Commit `temp_name` as `tag` in a forked child that dies at `step`."""
+) -> list[str]:
+    """Commit `temp_name` as `tag` in a forked child that dies at `step`; returns the steps
+    the child reached, in order (through a pipe: written as they happen, so they survive
+    the death). Fails unless the child really died there."""
+    reader, writer = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: a real process death, no cleanup of any kind
+        os.close(reader)
         paths._Exchange.disabled = not exchange
 
         def die(name: str) -> None:
+            os.write(writer, f"{name}\n".encode())
             if name == step:
-                os._exit(9)
+                os._exit(KILLED)
 
         paths.on_commit_step = die
         paths.commit(directory, temp_name, tag)
         os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        reached = pipe.read().decode().split()
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) in (0, 9)
+    code = os.waitstatus_to_exitcode(status)
+    assert code == KILLED, f"{directory.name}: the commit was not killed at {step!r} ({reached})"
+    assert reached and reached[-1] == step, (directory.name, reached)
+    return reached
 
 
 def load_latest_and_save_again(directories: list[str]) -> list[list[torch.Tensor]]:
@@ -330,9 +359,11 @@ def test_a_kill_at_any_commit_step_keeps_latest_loadable(pools, tmp_path) -> Non
     source = tmp_path / "source"
     versions = pools(2).run(save_versions, str(source))[0]
     assert any(not torch.equal(a, b) for a, b in zip(*versions.values(), strict=True))
+    # Every step of the protocol is a kill point of some kind of commit.
+    assert {s for steps in COMMIT_PATHS.values() for s in steps} == set(paths.COMMIT_STEPS)
     cases: dict[str, tuple[Path, str]] = {}
-    for step in paths.COMMIT_STEPS:
-        for kind, exchange in (("new", True), ("existing", True), ("existing-rename", False)):
+    for kind, steps in COMMIT_PATHS.items():
+        for step in steps:
             directory = tmp_path / f"{kind}-{step}"
             directory.mkdir()
             shutil.copytree(source / "a", directory / "a")
@@ -340,7 +371,11 @@ def test_a_kill_at_any_commit_step_keeps_latest_loadable(pools, tmp_path) -> Non
             tag = "c" if kind == "new" else "a"
             temp_name = paths.new_temp_name(tag)
             shutil.copytree(source / "b", directory / temp_name)  # a finished save of 'b'
-            _kill_inside_commit(directory, temp_name, tag, step, exchange)
+            reached = _kill_inside_commit(
+                directory, temp_name, tag, step, exchange=kind != "existing-rename"
+            )
+            # The child took this kind's path up to the step it died at, and no other.
+            assert tuple(reached) == steps[: steps.index(step) + 1], (kind, step, reached)
             cases[f"{kind}-{step}"] = (directory, tag)
     loaded = pools(2).run(load_latest_and_save_again, [str(d) for d, _ in cases.values()])[0]
     for (name, (directory, _tag)), params in zip(cases.items(), loaded, strict=True):

@@ -49,14 +49,25 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 
 def structure_parity(
-    structure: str, threshold: int, steps: int = 3, zero: dict[str, int] | None = None
-) -> None:
+    structure: str,
+    threshold: int,
+    steps: int = 3,
+    zero: dict[str, int] | None = None,
+    units: tuple[str, ...] = (),
+) -> int:
+    """Train `structure` against the reference; returns how many groups the engine laid out.
+
+    `units`: the modules that must have formed stage 3 units (checked before training).
+    """
     model_class, inputs = STRUCTURES[structure]
     torch.manual_seed(0)
     model = model_class()
     ref_model = copy.deepcopy(model)
     config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=threshold, zero=zero)
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
+    if units:
+        _assert_units_formed(model, engine, units)
+    num_groups = len(engine.groups)
     reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
     rank = dist.get_rank()
     for step in range(steps):
@@ -74,6 +85,7 @@ def structure_parity(
         assert_all_released(model, 3)  # after step(): nothing gathered, nothing in flight
         assert_params_match(model, reference, f"{structure}, after step {step}")
     engine.destroy()
+    return num_groups
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -91,10 +103,70 @@ def gpt_tokens(rank: int, step: int, cfg: TinyGPTConfig) -> torch.Tensor:
     return torch.randint(cfg.vocab_size, (3, cfg.seq_len), generator=gen)
 
 
+# With no size limit every outermost module below the root that runs a forward is a unit
+# (containers, which are never called, are not): named here, in registration order.
+UNITS_AT_ANY_SIZE = {
+    "tied_embeddings": ("embed", "body", "head"),
+    "parent_uses_child_weight": ("embed", "body"),
+    "shared_block_nested_containers": (
+        "inp",
+        "shared",
+        "stack.0.a",
+        "stack.0.b",
+        "stack.1.a",
+        "stack.1.b",
+        "out",
+    ),
+}
+
+
+def _assert_units_formed(model: nn.Module, engine: zerodp.ZeroEngine, units: tuple[str, ...]):
+    """Each named unit gathers the groups of its whole subtree; the parameters it registers
+    first (a tied weight belongs to the unit that registers it first) are one group holding
+    exactly them; no module inside a unit owns a group of its own."""
+    modules = dict(model.named_modules())
+    coordinator = engine.params.coordinator
+    index = engine.groups
+    seen: set[int] = set()
+    for name in units:
+        unit = modules[name]
+        holding = {id(index.state_of(p)) for p in unit.parameters()}
+        gathered = {id(s) for s in coordinator.groups_of_module(unit)}
+        assert gathered == holding, (name, coordinator.groups_of_module(unit))
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        if own:
+            groups = {id(index.state_of(p)): index.state_of(p) for p in own}
+            assert len(groups) == 1, (name, list(groups.values()))
+            (group,) = groups.values()
+            assert group is not None and {id(p) for p in group.params} == {id(p) for p in own}
+        for inner_name, inner in unit.named_modules(prefix=name):
+            if inner is not unit:
+                assert not coordinator.owns_groups(inner), (name, inner_name)
+    assert seen == {id(p) for p in model.parameters()}, "a parameter outside every unit"
+
+
+def group_count(structure: str) -> int:
+    """How many groups `structure` is laid out in without units (threshold 0)."""
+    torch.manual_seed(0)
+    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=0)
+    engine, _, _, _ = zerodp.initialize(model=STRUCTURES[structure][0](), config=config)
+    count = len(engine.groups)
+    engine.destroy()
+    return count
+
+
 def units_match_reference() -> None:
     """Units change how parameters are grouped and gathered, never what training computes."""
+    counts = {}
     for structure in STRUCTURES:  # every module below the root with a forward: one unit
-        structure_parity(structure, 0, zero={"stage3_unit_numel": 10**9})
+        units = UNITS_AT_ANY_SIZE[structure]
+        with_units = structure_parity(structure, 0, zero={"stage3_unit_numel": 10**9}, units=units)
+        counts[structure] = (with_units, group_count(structure))
+    # Units merge groups, never split them; TiedLM's body (two Linears) is one group only
+    # with units, so units on cannot silently be the same layout as units off.
+    assert all(on <= off for on, off in counts.values()), counts
+    assert counts["tied_embeddings"][0] < counts["tied_embeddings"][1], counts
     cfg = _gpt_config()
     block_numel = sum(p.numel() for p in TinyGPT(cfg).blocks[0].parameters())
     for prefetch in (0, 10**9):  # released and gathered again in backward; kept throughout
