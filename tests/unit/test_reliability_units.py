@@ -102,3 +102,20 @@ def test_running_out_of_memory_in_a_collective_is_not_blamed_on_a_peer() -> None
 def _tracked() -> tuple[CollectiveRecord, CollectiveHistory]:
     history = CollectiveHistory(rank=0)
     return history.issue("reduce_scatter", 64), history
+
+
+def test_after_a_failed_collective_the_group_is_aborted_and_nothing_more_is_issued() -> None:
+    """The first failure aborts the process group once (its other in-flight collectives
+    fail at once, none is left pending at exit); a later collective is refused, naming the
+    one that failed, without reaching the backend."""
+    aborted: list[bool] = []
+    comm = _FakeComm(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    comm.history.on_failure = lambda: aborted.append(True)
+    with pytest.raises(CollectiveError, match="all_gather #1"):
+        comm.all_gather(torch.empty(4))
+    assert aborted == [True]
+    comm.error = AssertionError("the backend must not be reached again")  # type: ignore[assignment]
+    with pytest.raises(CollectiveError, match=r"not issued: collective all_gather #1 .*failed"):
+        comm.all_gather(torch.empty(4))
+    assert aborted == [True]
+    assert comm.history.count == 1

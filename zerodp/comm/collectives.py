@@ -10,6 +10,7 @@ all-gather whose output has n elements each count n * element size.
 from __future__ import annotations
 
 import enum
+import logging
 import pickle
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from zerodp.comm.history import (
 )
 from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
 from zerodp.errors import AGREED_TYPES, AgreedError
+
+logger = logging.getLogger("zerodp")
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -126,7 +129,25 @@ class Comm:
         self.stats = CommStats()
         # Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only).
         self.on_stall: OnStall | None = None
-        self.history = CollectiveHistory(self.rank)  # for errors that name the collective
+        # For errors that name the collective; the first one aborts the group.
+        self.history = CollectiveHistory(self.rank, on_failure=self._abort_group)
+
+    def _abort_group(self) -> None:
+        """A collective failed (a peer died or froze): abort the process group.
+
+        Its other in-flight collectives then fail at once instead of waiting out their
+        timeouts, and none is left pending when the process exits: a work still pending
+        at interpreter exit (stage 3's prefetched gathers, the reducer's reduce-scatters)
+        makes gloo terminate the process, losing the script's own exit status.
+        """
+        group = self.group if self.group is not None else dist.group.WORLD
+        abort = getattr(group, "abort", None)
+        if abort is None:  # pragma: no cover - a backend without abort: nothing better to do
+            return
+        try:
+            abort()
+        except RuntimeError:  # pragma: no cover - the backend could not abort; it stays as is
+            logger.warning("could not abort the process group after a failed collective")
 
     # -- tensors -----------------------------------------------------------------
 

@@ -60,10 +60,12 @@ class CollectiveRecord:
 class CollectiveHistory:
     """The last `_KEPT` collectives of one `Comm` on this rank."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, on_failure: Callable[[], None] | None = None) -> None:
         self.rank = rank
         self.count = 0
         self.records: deque[CollectiveRecord] = deque(maxlen=_KEPT)
+        self.on_failure = on_failure  # the process group is unusable: the Comm aborts it
+        self.broken: str | None = None  # the first failure, once there was one
 
     def issue(self, kind: str, nbytes: int | None) -> CollectiveRecord:
         self.count += 1
@@ -88,7 +90,20 @@ class CollectiveHistory:
             f"collectives:\n{recent}"
         )
         logger.error("%s", message)
+        if self.broken is None:
+            self.broken = f"collective {record.kind} #{record.number} (from {record.site})"
+            if self.on_failure is not None:
+                self.on_failure()
         return CollectiveError(message)
+
+    def refuse_if_broken(self, kind: str) -> None:
+        """After a failure nothing more is issued: the group is aborted, a peer is gone."""
+        if self.broken is not None:
+            raise CollectiveError(
+                f"rank {self.rank}: collective {kind} not issued: {self.broken} failed "
+                "earlier and its process group was aborted (a peer died or froze); restart "
+                "the job, resuming from the last checkpoint"
+            )
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -116,6 +131,7 @@ def recorded(kind: str) -> Callable[[F], F]:
             if self.world_size == 1:
                 return method(self, *args, **kwargs)
             history: CollectiveHistory = self.history
+            history.refuse_if_broken(kind)
             record = history.issue(kind, _nbytes(args))
             try:
                 result = method(self, *args, **kwargs)
