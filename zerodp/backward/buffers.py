@@ -1,4 +1,4 @@
-"""Reusable flat buffers, so that backward does not allocate full-size tensors every step."""
+"""Flat buffers reused within one backward, and let go once its reductions are done."""
 
 from __future__ import annotations
 
@@ -10,23 +10,48 @@ import torch
 class BufferPool:
     """Hands out 1-D buffers by (numel, dtype, device) and takes them back for reuse.
 
-    Buffers are kept once made, so `allocated_numel` (every element it ever made) is also
-    the most it has held at once: how many full-size gradient buckets a backward needed
-    out together.
+    Within one backward many full-size gradient buckets of the same few sizes are
+    taken and given back as reductions complete, so reuse saves an allocation per
+    group. Between backwards the buffers are dead weight: they would sit through
+    the optimizer step and the next forward, where activations peak, about one
+    full-size copy of the largest groups that stage 2 and 3 are meant not to hold.
+    So the owner calls `release_idle` once no reduction can need them (the end of
+    each backward). Re-making them each backward is cheap: on an accelerator the
+    caching allocator hands the same blocks back, and on CPU glibc's malloc raises
+    its mmap threshold after the first free of a size, so the next backward's
+    buckets come from the heap it already has. Freed memory is not returned to the system
+    either way; it goes back to the allocator, where the next forward's
+    activations can use it.
+
+    `allocated_numel` is the most elements held at once (buffers out plus idle):
+    how many full-size gradient buckets a backward needed out together. It is a
+    high-water mark kept across releases; `held_numel` is what is held now.
     """
 
     def __init__(self) -> None:
         self._free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(
             list
         )
+        self.held_numel = 0
         self.allocated_numel = 0
+
+    @property
+    def idle_numel(self) -> int:
+        """Elements of the buffers given back and kept for reuse."""
+        return sum(key[0] * len(free) for key, free in self._free.items())
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free[(numel, dtype, device)]
         if free:
             return free.pop()
-        self.allocated_numel += numel
+        self.held_numel += numel
+        self.allocated_numel = max(self.allocated_numel, self.held_numel)
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         self._free[(buffer.numel(), buffer.dtype, buffer.device)].append(buffer)
+
+    def release_idle(self) -> None:
+        """Drop every buffer given back; buffers still out stay the taker's."""
+        self.held_numel -= self.idle_numel
+        self._free.clear()
