@@ -12,16 +12,20 @@ class BufferPool:
 
     Within one backward many full-size gradient buckets of the same few sizes are
     taken and given back as reductions complete, so reuse saves an allocation per
-    group. Between backwards the buffers are dead weight: they would sit through
-    the optimizer step and the next forward, where activations peak, about one
-    full-size copy of the largest groups that stage 2 and 3 are meant not to hold.
-    So the owner calls `release_idle` once no reduction can need them (the end of
-    each backward). Re-making them each backward is cheap: on an accelerator the
-    caching allocator hands the same blocks back, and on CPU glibc's malloc raises
-    its mmap threshold after the first free of a size, so the next backward's
-    buckets come from the heap it already has. Freed memory is not returned to the system
-    either way; it goes back to the allocator, where the next forward's
-    activations can use it.
+    group. Between backwards the buffers are dead weight through the optimizer step
+    and the next forward, so the owner calls `release_idle` once no reduction can
+    need them (the end of each backward), and the memory goes back to the allocator
+    for the step's and the forward's own tensors. Why every backward and not once per
+    accumulation window: the next micro-batch's forward is exactly when they would be
+    in the way. Why not a bound on what is kept: the cost of re-making them is small
+    where it exists at all. An accelerator's caching allocator hands the same blocks
+    back; glibc's default malloc serves a size freed once from its heap; only where
+    big blocks go back to the system (a fixed mmap threshold) does each backward pay
+    page faults: about 1% of a CPU step, from their measured cost per MiB (bench/README.md,
+    memory cap; too small for the step-time bench to show).
+    Since buckets are reduced in the order gradients complete, a backward holds only a
+    few at once, so this is a small saving (15 MiB on the memory-cap GPT at stage 3),
+    and it does not lower the peak, which lies inside the backward.
 
     `allocated_numel` is the most elements held at once (buffers out plus idle):
     how many full-size gradient buckets a backward needed out together. It is a
