@@ -312,6 +312,59 @@ def test_persistent_groups_do_not_hold_up_reductions(pools) -> None:
         assert report["held"] < report["total"] / 2, report
 
 
+def buckets_after_backward_and_step(stage: int) -> dict[str, int]:
+    """Idle bucket elements after each backward and step, with gradients checked on the way.
+
+    The second step runs two backward passes on one retained graph (two tasks, whose
+    gradients add up), so a task's release cannot drop a bucket the next one needs."""
+    cfg = TinyGPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=2, d_model=64)
+    torch.manual_seed(0)
+    model = TinyGPT(cfg)
+    ref_model = copy.deepcopy(model)
+    config = zerodp_config(stage, optimizer=ADAMW, persistence_threshold=1000)
+    config["zero_optimization"]["reduce_bucket_size"] = 20_000
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
+    reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
+    idle = []
+    for step in range(2):
+        tokens = gpt_tokens(dist.get_rank(), step, cfg)
+        loss = engine.module.loss(tokens[:, :-1], tokens[:, 1:])
+        ref_loss = ref_model.loss(tokens[:, :-1], tokens[:, 1:])
+        for again in range(step + 1):
+            retain = again < step
+            engine.backward(loss, retain_graph=retain)
+            reference.run_backward(lambda r=retain, lo=ref_loss: lo.backward(retain_graph=r))
+            idle.append(engine.reducer.bucket_numel_idle)
+        assert_grads_match(model, reference, f"stage {stage}, step {step}")
+        engine.step()
+        reference.step()
+        reference.zero_grad()
+        idle.append(engine.reducer.bucket_numel_idle)
+        assert_params_match(model, reference, f"stage {stage}, after step {step}")
+    report = {
+        "idle_max": max(idle),
+        "held_max": engine.reducer.bucket_numel_held,
+        "buckets_total": sum(s.flat.padded_numel for s in engine.groups if s.grads is not None),
+    }
+    engine.destroy()
+    return report
+
+
+def buckets_after_backward_and_step_all() -> list[dict[str, int]]:
+    return [buckets_after_backward_and_step(stage) for stage in (2, 3)]
+
+
+def test_buckets_are_let_go_after_each_backward(pools) -> None:
+    """No full-size bucket is kept idle through the step and the next forward, where
+    activations peak; within a backward buckets are still reused (the most held at once
+    stays below one bucket per group)."""
+    for reports in pools(2).run(buckets_after_backward_and_step_all):
+        for report in reports:
+            assert report["held_max"] > 0, report
+            assert report["idle_max"] == 0, report
+            assert report["held_max"] < report["buckets_total"], report
+
+
 # -- GatheredParameters and full state dicts --------------------------------------------
 
 

@@ -149,8 +149,13 @@ class GradientReducer:
 
     @property
     def bucket_numel_held(self) -> int:
-        """Elements of the full-size gradient buckets this reducer holds (kept for reuse)."""
+        """The most elements of full-size gradient buckets this reducer has held at once."""
         return self._pool.allocated_numel
+
+    @property
+    def bucket_numel_idle(self) -> int:
+        """Elements of full-size gradient buckets held now with no reduction using them."""
+        return self._pool.idle_numel
 
     @property
     def any_local(self) -> bool:
@@ -241,7 +246,11 @@ class GradientReducer:
         self._launch_ready()
 
     def end_task(self) -> None:
-        """Epilogue: reduce what the task left unreduced, wait for every reduction."""
+        """Epilogue: reduce what the task left unreduced, wait for every reduction.
+
+        Every bucket is back in the pool then, and none is needed before the next
+        task: they are let go rather than kept through the step and the next forward.
+        """
         if self._task.has_contributions:
             for state in self.states:
                 if not _kept(state).task.launched:
@@ -249,6 +258,7 @@ class GradientReducer:
             self._drain()
         for state in self.states:
             _kept(state).task.reset()
+        self._pool.release_idle()
         self._show_param_grads()
 
     def abort_task(self) -> None:
@@ -262,6 +272,7 @@ class GradientReducer:
             kept.task.reset()
             for param in state.params:
                 param.grad = None
+        self._pool.release_idle()
         self._show_param_grads()
 
     # -- outside backward --------------------------------------------------------------
