@@ -1,7 +1,7 @@
 """How far zerodp compiled with inductor is from eager zerodp, next to inductor's own distance.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/compile_exactness.py \
-        [--stages 0,1,2,3] [--steps 5] [--backend inductor]
+        [--stages 0,1,2,3] [--steps 10] [--backend inductor]
 
 Inductor fuses and reorders floating-point work, so its results differ from eager ones in
 the last bits; the question is whether zerodp adds anything to that. Each rank trains, from
@@ -109,7 +109,7 @@ def distance(a: tuple[list[float], dict[str, torch.Tensor]], b: Any) -> tuple[fl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="0,1,2,3")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--backend", default="inductor")
     args = p.parse_args(argv)
     ensure_process_group()

@@ -10,26 +10,16 @@ import torch
 class BufferPool:
     """Hands out 1-D buffers by (numel, dtype, device) and takes them back for reuse.
 
-    Within one backward many full-size gradient buckets of the same few sizes are
-    taken and given back as reductions complete, so reuse saves an allocation per
-    group. Between backwards the buffers are dead weight through the optimizer step
-    and the next forward, so the owner calls `release_idle` once no reduction can
-    need them (the end of each backward), and the memory goes back to the allocator
-    for the step's and the forward's own tensors. Why every backward and not once per
-    accumulation window: the next micro-batch's forward is exactly when they would be
-    in the way. Why not a bound on what is kept: the cost of re-making them is small
-    where it exists at all. An accelerator's caching allocator hands the same blocks
-    back; glibc's default malloc serves a size freed once from its heap; only where
-    big blocks go back to the system (a fixed mmap threshold) does each backward pay
-    page faults: about 1% of a CPU step, from their measured cost per MiB (bench/README.md,
-    memory cap; too small for the step-time bench to show).
-    Since buckets are reduced in the order gradients complete, a backward holds only a
-    few at once, so this is a small saving (15 MiB on the memory-cap GPT at stage 3),
-    and it does not lower the peak, which lies inside the backward.
+    Within one backward, buckets of the same few sizes are taken and given back as
+    reductions complete, so reuse saves an allocation per group. Between backwards
+    they are dead weight through the optimizer step and the next forward (when a
+    stage 2 bucket of `reduce_bucket_size` elements is most in the way), so the owner
+    calls `release_idle` at the end of each backward. Re-making them is nearly free
+    for an accelerator's caching allocator and glibc's heap; only big blocks served
+    by mmap pay page faults, about 1% of a CPU step (bench/README.md, memory cap).
 
-    `allocated_numel` is the most elements held at once (buffers out plus idle):
-    how many full-size gradient buckets a backward needed out together. It is a
-    high-water mark kept across releases; `held_numel` is what is held now.
+    `allocated_numel` is the most elements held at once (out plus idle), a high-water
+    mark kept across releases; `held_numel` is what is held now.
     """
 
     def __init__(self) -> None:
