@@ -459,6 +459,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
             loss_scale=lambda: self.optimizer.loss_scaler.scale,
             gradients_held=self.gate.gradients_held,
             gradients_loaded=self.gate.on_gradients_loaded,
+            before_save=self.optimizer.adopt_replaced_params,
         )
 
     # -- inspection --------------------------------------------------------------------

@@ -145,3 +145,30 @@ def test_an_assignment_that_cannot_be_kept_is_refused(pools, stage: int) -> None
     messages = pools(2).run(refused, stage)
     assert len(set(messages)) == 1, messages  # the same error on every rank
     assert "copy_" in messages[0] and "replaced after zerodp.initialize" in messages[0], messages[0]
+
+
+def saved_after_assignment(stage: int, directory: str) -> None:
+    """A save right after `param.data = t` (no step in between) holds `t`, master included."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    # bf16 at stages 1-3: the save's fp32 master must take `t` too, not keep the old value.
+    config = zerodp_config(
+        stage, optimizer=SGD, persistence_threshold=30, dtype="fp32" if stage == 0 else "bf16"
+    )
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
+    value = _new_weight(model.norm.weight.shape, 4).to(model.norm.weight.dtype)
+    model.norm.weight.data = value.clone()  # persistent at stage 3 (22 elements < 30)
+    engine.save_checkpoint(directory, tag="assigned")
+    engine.destroy()
+    torch.manual_seed(1)  # other initial weights: the values must come from the checkpoint
+    fresh = TinyNet()
+    engine, _, _, _ = zerodp.initialize(model=fresh, config=config)
+    engine.load_checkpoint(directory, tag="assigned")
+    loaded = zerodp.utils.safe_get_full_fp32_param(fresh.norm.weight)
+    assert torch.equal(loaded, value.float()), (loaded - value.float()).abs().max()
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_save_right_after_an_assignment_holds_it(pools, tmp_path, stage: int) -> None:
+    pools(2).run(saved_after_assignment, stage, str(tmp_path / "ckpt"))

@@ -56,6 +56,7 @@ def save_checkpoint(
     client_tensors: dict[str, Any] = {}
     try:
         subject.check_idle()
+        subject.before_save()
         directory = check_save_target(save_dir, tag)
         tag = (
             tag

@@ -67,3 +67,6 @@ class CheckpointSubject:
     loss_scale: Callable[[], float] = lambda: 1.0
     gradients_held: Callable[[], bool] = lambda: False
     gradients_loaded: Callable[[], None] = lambda: None
+    # Values written by `param.data = t` since the last step go into the groups first, so
+    # that the save holds what the model shows (see `FlatGroup.adopt_replaced`).
+    before_save: Callable[[], None] = lambda: None
