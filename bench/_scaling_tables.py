@@ -8,6 +8,11 @@ from typing import Any
 _MIB = float(1 << 20)
 
 
+def _section(title: str, headers: list[str], lines: list[list[str]], foot: str) -> str:
+    """One sweep's printout: what was measured, the table, how to read it."""
+    return f"{title}\n\n{_render(headers, lines)}\n\n{foot}"
+
+
 def _render(headers: list[str], lines: list[list[str]]) -> str:
     """A Markdown table whose columns line up in a terminal as well."""
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(headers)]
@@ -65,7 +70,7 @@ def world_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "(all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N), rank 0. ideal: the ZeRO\n"
         "paper's 2Ψ(N-1)/N (DDP, stages 0-2) and 3Ψ(N-1)/N (stage 3, FSDP2)."
     )
-    return f"{title}\n\n{_render(headers, lines)}\n\n{foot}"
+    return _section(title, headers, lines, foot)
 
 
 def psi_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -93,7 +98,7 @@ def psi_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "moments = 16Ψ replicated; stage 1 divides the 8Ψ by N, stage 2 also the grads, stage 3\n"
         "all of it (DDP counted as stage 0, FSDP2 as 3)."
     )
-    return f"{title}\n\n{_render(headers, lines)}\n\n{foot}"
+    return _section(title, headers, lines, foot)
 
 
 def fit_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -121,4 +126,4 @@ def fit_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "ideal params: the budget less ~300 MiB of interpreter and libraries, over the paper's\n"
         "bytes per parameter (16, 8 + 8/N, 4 + 12/N, 16/N): activations and buffers ignored."
     )
-    return f"{title}\n\n{_render(headers, lines)}\n\n{foot}"
+    return _section(title, headers, lines, foot)

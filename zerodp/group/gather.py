@@ -130,9 +130,15 @@ class GatherState:
         self.flat.free_full()
         self.status = ParamStatus.NOT_AVAILABLE
 
+    @property
+    def releasable(self) -> bool:
+        """Whether `release_if_unused` would release now: nobody holds it, and it is there
+        (or on its way)."""
+        return self.holds == 0 and self.status is not ParamStatus.NOT_AVAILABLE
+
     def release_if_unused(self) -> bool:
         """Release unless held; an in-flight gather is finished first. True if released."""
-        if self.holds > 0 or self.status is ParamStatus.NOT_AVAILABLE:
+        if not self.releasable:
             return False
         if self.status is ParamStatus.INFLIGHT:
             self.to_available()

@@ -389,7 +389,7 @@ class ParamCoordinator:
 
     def _release(self, state: GroupState) -> None:
         gather = state.sharded_gather
-        if gather.holds == 0 and gather.status is ParamStatus.AVAILABLE:
+        if gather.releasable:
             # `param.data = t` while gathered would leave the parameter holding `t` after
             # the release, and every later gather would fill a buffer it no longer views.
             state.flat.drop_replaced()

@@ -31,10 +31,6 @@ class GroupPlan:
     persistent: bool  # the full buffer stays allocated (see [Note: zerodp tensors])
 
     @property
-    def first_index(self) -> int:
-        return min(self.members)
-
-    @property
     def reduction_key(self) -> int:
         """Groups are reduced in descending order of this: when their gradients are complete.
 
@@ -45,7 +41,7 @@ class GroupPlan:
         member they came first, complete only at the end of the backward, and every
         later group's reduction (and its full-size gradient bucket) waited behind them.
         """
-        return self.first_index
+        return min(self.members)
 
 
 def _key(info: ParamInfo) -> tuple[int, torch.dtype, bool]:
