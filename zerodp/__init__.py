@@ -25,6 +25,7 @@ from zerodp.errors import (
     LossScaleError,
     NonFiniteError,
     ParamStateError,
+    PeerFailedError,
     UsageError,
     ZeroDPError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "LossScaleError",
     "NonFiniteError",
     "ParamStateError",
+    "PeerFailedError",
     "RankMismatchError",
     "UsageError",
     "ZeroDPConfig",

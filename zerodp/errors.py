@@ -69,6 +69,10 @@ class CollectiveError(ZeroDPError):
     """A collective failed or timed out; the message names it and this rank's recent ones."""
 
 
+class PeerFailedError(CollectiveError):
+    """Another rank failed (its error is named in the message), so this rank cannot go on."""
+
+
 class AgreedError(ZeroDPError):
     """Another rank failed a check that every rank agreed on; the message quotes it."""
 
@@ -83,6 +87,8 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
         LifecycleError,
         ParamStateError,
         DivergenceError,
+        CollectiveError,
+        PeerFailedError,
         CheckpointError,
         CheckpointPathError,
         CheckpointStorageError,

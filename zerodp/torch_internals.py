@@ -10,6 +10,7 @@ the one other wrapper, because only checkpoint code may import
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
@@ -105,3 +106,24 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     does not see, so the flag the wrapper would set is set here.
     """
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def forward_raised() -> BaseException | None:
+    """Inside a forward hook registered with `always_call=True`: the exception the module's
+    forward raised, or None when the forward returned.
+
+    torch calls such a hook from `Module._call_impl`'s `except` block when the forward
+    raised, and gives it no sign of that. The exception being handled there has that
+    `_call_impl` frame first in its traceback; an exception the caller happens to be
+    handling around a successful forward (a retry inside `except`) does not.
+    """
+    error = sys.exc_info()[1]
+    if error is None or error.__traceback__ is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back  # type: ignore[assignment]
+    return error if frame is not None and error.__traceback__.tb_frame is frame else None
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__

@@ -10,11 +10,13 @@ import torch
 
 import zerodp
 from zerodp.checkpoint import paths
+from zerodp.comm import failures
 from zerodp.comm.collectives import Handle
 from zerodp.comm.group import comms_timeout
 from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.config import load_config
 from zerodp.errors import CollectiveError
+from zerodp.torch_internals import forward_raised
 
 
 def test_the_new_config_keys_are_validated() -> None:
@@ -119,3 +121,49 @@ def test_after_a_failed_collective_the_group_is_aborted_and_nothing_more_is_issu
         comm.all_gather(torch.empty(4))
     assert aborted == [True]
     assert comm.history.count == 1
+
+
+class _Probe(torch.nn.Module):
+    """Records, in an always-called forward hook, what `forward_raised` said."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__()
+        self.fail = fail
+        self.seen: list[BaseException | None] = []
+        self.register_forward_hook(
+            lambda module, args, output: self.seen.append(forward_raised()), always_call=True
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise torch.OutOfMemoryError("no room")
+        return x + 1
+
+
+def test_a_hook_tells_a_dying_forward_from_a_forward_run_inside_an_except_block() -> None:
+    dying = _Probe(fail=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        dying(torch.ones(1))
+    assert isinstance(dying.seen[-1], torch.OutOfMemoryError)
+    fine = _Probe(fail=False)
+    fine(torch.ones(1))
+    try:  # a retry after an error: the error being handled is not the forward's
+        raise ValueError("first attempt failed")
+    except ValueError:
+        fine(torch.ones(1))
+    assert fine.seen == [None, None]
+    outer = torch.nn.Sequential(_Probe(fail=False), _Probe(fail=True))
+    with pytest.raises(torch.OutOfMemoryError):
+        outer(torch.ones(1))
+    assert outer[0].seen == [None] and isinstance(outer[1].seen[-1], torch.OutOfMemoryError)
+
+
+def test_a_failure_notice_round_trips_and_says_where() -> None:
+    notice = failures.FailureNotice(1, "forward", 2, failures.describe_error(MemoryError("x\ny")))
+    again = failures.FailureNotice.decode(1, notice.encode())
+    assert again == notice and again.error == "MemoryError: x"
+    assert again.describe() == "rank 1 failed in its forward pass 3: MemoryError: x"
+    ending = failures.FailureNotice(0, failures.EXIT, -1, "ValueError: bad record")
+    assert ending.describe() == "rank 0 failed and is ending: ValueError: bad record"
+    long = failures.describe_error(RuntimeError("z" * 2000))
+    assert len(long) < 600 and long.endswith(" ...")

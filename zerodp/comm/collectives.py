@@ -10,8 +10,8 @@ all-gather whose output has n elements each count n * element size.
 from __future__ import annotations
 
 import enum
-import logging
 import pickle
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm import failures
 from zerodp.comm.history import (
     CollectiveHistory,
     CollectiveRecord,
@@ -26,10 +27,9 @@ from zerodp.comm.history import (
     recorded,
     tensor_nbytes,
 )
+from zerodp.comm.teardown import abort_group, register
 from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
 from zerodp.errors import AGREED_TYPES, AgreedError
-
-logger = logging.getLogger("zerodp")
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -76,7 +76,7 @@ class Handle:
     does not).
     """
 
-    __slots__ = ("_history", "_on_stall", "_record", "_watched", "_work")
+    __slots__ = ("__weakref__", "_history", "_on_stall", "_record", "_watched", "_work")
 
     def __init__(
         self, work: Any = None, on_stall: OnStall | None = None, timed: bool = True
@@ -129,25 +129,39 @@ class Comm:
         self.stats = CommStats()
         # Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only).
         self.on_stall: OnStall | None = None
+        # Pass notices of the order check beside the process's exit notices.
+        self.failure_boards: list[failures.FailureBoard] = []
         # For errors that name the collective; the first one aborts the group.
-        self.history = CollectiveHistory(self.rank, on_failure=self._abort_group)
+        self.history = CollectiveHistory(
+            self.rank, on_failure=self._abort_group, notices=self.failure_notices
+        )
+        # Collectives issued with async_op and not yet waited for (prefetched gathers,
+        # the reducer's reductions): what the teardown at exit must not leave pending.
+        self._in_flight: weakref.WeakSet[Handle] = weakref.WeakSet()
+        register(self)  # see [Note: ending the process] in zerodp.comm.teardown
 
     def _abort_group(self) -> None:
         """A collective failed (a peer died or froze): abort the process group.
 
         Its other in-flight collectives then fail at once instead of waiting out their
-        timeouts, and none is left pending when the process exits: a work still pending
-        at interpreter exit (stage 3's prefetched gathers, the reducer's reduce-scatters)
-        makes gloo terminate the process, losing the script's own exit status.
+        timeouts, and none is left pending when the process exits (see [Note: ending the
+        process] in zerodp.comm.teardown).
         """
-        group = self.group if self.group is not None else dist.group.WORLD
-        abort = getattr(group, "abort", None)
-        if abort is None:  # pragma: no cover - a backend without abort: nothing better to do
-            return
-        try:
-            abort()
-        except RuntimeError:  # pragma: no cover - the backend could not abort; it stays as is
-            logger.warning("could not abort the process group after a failed collective")
+        abort_group(self.group)
+
+    def failure_notices(self) -> list[failures.FailureNotice]:
+        """What ranks that failed posted ([Note: failure notices]); read only on a failure."""
+        notices = [notice for board in self.failure_boards for notice in board.read()]
+        return failures.one_per_rank(notices + failures.read_exits())
+
+    def has_in_flight(self) -> bool:
+        """Whether a collective this `Comm` issued asynchronously has not been waited for."""
+        return any(not handle.done for handle in list(self._in_flight))
+
+    def _in_flight_handle(self, work: Any, timed: bool = True) -> Handle:
+        handle = Handle(work, self.on_stall, timed=timed)
+        self._in_flight.add(handle)
+        return handle
 
     # -- tensors -----------------------------------------------------------------
 
@@ -158,7 +172,7 @@ class Comm:
         self.stats.record(CollectiveKind.ALL_REDUCE, tensor_nbytes(tensor))
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
-        return Handle(work, self.on_stall) if async_op else _DONE
+        return self._in_flight_handle(work) if async_op else _DONE
 
     @recorded("reduce_scatter")
     def reduce_scatter(
@@ -179,7 +193,7 @@ class Comm:
             return _DONE
         self.stats.record(CollectiveKind.REDUCE_SCATTER, tensor_nbytes(input))
         work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work, self.on_stall, timed=False) if async_op else _DONE
+        return self._in_flight_handle(work, timed=False) if async_op else _DONE
 
     @recorded("all_gather")
     def all_gather(
@@ -197,7 +211,7 @@ class Comm:
             return _DONE
         self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output))
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-        return Handle(work, self.on_stall) if async_op else _DONE
+        return self._in_flight_handle(work) if async_op else _DONE
 
     @recorded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
@@ -206,7 +220,7 @@ class Comm:
         self.stats.record(CollectiveKind.BROADCAST, tensor_nbytes(tensor))
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
-        return Handle(work, self.on_stall) if async_op else _DONE
+        return self._in_flight_handle(work) if async_op else _DONE
 
     # -- decisions ---------------------------------------------------------------
 

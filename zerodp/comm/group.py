@@ -14,6 +14,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from zerodp.comm import teardown
+
 
 class _GroupState:
     """Whether zerodp created the default process group (and so may destroy it)."""
@@ -119,6 +121,7 @@ def ensure_process_group(timeout_s: float | None = None) -> None:
     else:
         dist.init_process_group(backend, timeout=timeout)
     _GroupState.owned = True
+    teardown.register()  # destroyed at exit: see [Note: ending the process]
 
 
 def destroy_process_group_if_owned() -> None:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from zerodp.comm import failures
 from zerodp.errors import CollectiveError, ZeroDPError
 
 logger = logging.getLogger("zerodp")
@@ -60,8 +61,14 @@ class CollectiveRecord:
 class CollectiveHistory:
     """The last `_KEPT` collectives of one `Comm` on this rank."""
 
-    def __init__(self, rank: int, on_failure: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        on_failure: Callable[[], None] | None = None,
+        notices: Callable[[], list[failures.FailureNotice]] | None = None,
+    ) -> None:
         self.rank = rank
+        self.notices = notices  # what failed peers posted ([Note: failure notices])
         self.count = 0
         self.records: deque[CollectiveRecord] = deque(maxlen=_KEPT)
         self.on_failure = on_failure  # the process group is unusable: the Comm aborts it
@@ -78,7 +85,10 @@ class CollectiveHistory:
         record.finished = time.monotonic()
 
     def failed(self, record: CollectiveRecord, error: BaseException) -> CollectiveError:
-        """The error to raise for `record`'s failure (and log it with the history)."""
+        """The error to raise for `record`'s failure (and log it with the history).
+
+        A `PeerFailedError` naming the rank that failed when one posted a notice.
+        """
         now = time.monotonic()
         recent = "\n".join(f"  {r.describe(now)}" for r in self.records)
         message = (
@@ -89,11 +99,18 @@ class CollectiveHistory:
             "comms_timeout_s in the config (or $ZERODP_COMMS_TIMEOUT_S). This rank's last "
             f"collectives:\n{recent}"
         )
-        logger.error("%s", message)
+        notices = self.notices() if self.notices is not None else []
         if self.broken is None:
             self.broken = f"collective {record.kind} #{record.number} (from {record.site})"
             if self.on_failure is not None:
                 self.on_failure()
+        if notices:  # a peer said why: name it first ([Note: failure notices])
+            error = failures.peer_failed_error(
+                notices, f"collective {record.kind} #{record.number} (from {record.site})"
+            )
+            logger.error("rank %d: %s", self.rank, error)
+            return error
+        logger.error("%s", message)
         return CollectiveError(message)
 
     def refuse_if_broken(self, kind: str) -> None:

@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from zerodp.comm import failures
 from zerodp.comm.collectives import Comm
 from zerodp.comm.waiting import STALL_POLL_S
-from zerodp.errors import DivergenceError
+from zerodp.errors import DivergenceError, PeerFailedError
 
 Entry = tuple[str, int]  # (operation, group order); END closes a pass
 END: Entry = ("end", -1)
@@ -118,11 +119,14 @@ class CollectiveOrder:
         self._advise = advise
         prefix = f"zerodp/order/{next(_INSTANCES)}/"
         self._store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+        # This check's pass notices; exit notices are the process's ([Note: failure notices]).
+        self._failures = failures.FailureBoard(self._store, self.rank, self.world_size)
+        comm.failure_boards.append(self._failures)
         self._logs: dict[str, list[Entry]] = {}
         self._numbers: Counter[str] = Counter()
         self._passes: list[_Pass] = []
         self._last: dict[str, _Pass] = {}  # the last finished pass of each kind
-        self._error: DivergenceError | None = None
+        self._error: DivergenceError | PeerFailedError | None = None
         self.num_checked = 0  # collectives agreed through the store
         self.num_replayed = 0  # collectives compared with the agreed order only
         if watch_waits:  # gloo; an NCCL wait returns at once, the GPU waits (not watched)
@@ -176,13 +180,38 @@ class CollectiveOrder:
         """A forward or backward died part-way on this rank: nothing of it is compared."""
         self._passes.clear()
 
+    def fail(self, error: BaseException) -> None:
+        """The innermost pass dies of `error` on this rank: tell the others, then abandon it.
+
+        The ranks waiting for this one's part of the pass name it and its error instead of
+        reporting a divergence or waiting out the timeout ([Note: failure notices]).
+        """
+        if self._passes and self._error is None:
+            current = self._passes[-1]
+            self._failures.post(error, current.kind, current.number)
+        self.abandon()
+
     # -- waiting -----------------------------------------------------------------------
 
     def on_stall(self) -> None:
-        """Called every `poll_s` seconds a collective is waited on: answer other ranks' alarms."""
+        """Called every `poll_s` seconds a collective is waited on: answer other ranks' alarms,
+        and stop if a peer failed."""
         self.raise_if_failed()
+        self._raise_if_peer_failed("the collective this rank is waiting in")
         if int(self._store.add("alarms", 0)) > 0:
             self._answer_alarms()
+
+    def _raise_if_peer_failed(self, doing: str) -> None:
+        """Raise `PeerFailedError` for a notice that is not stale (see [Note: failure notices])."""
+        current = [
+            notice
+            for notice in self._failures.read()
+            if notice.number >= self._numbers[notice.kind] - 1
+        ]
+        notices = failures.one_per_rank(current + failures.read_exits())
+        if notices:
+            self._error = failures.peer_failed_error(notices, doing)
+            raise self._error
 
     def _answer_alarms(self) -> None:
         for rank in range(self.world_size):
@@ -223,6 +252,7 @@ class CollectiveOrder:
             waited += self.poll_s
             if waited >= self.timeout_s:
                 self._fail_absent(current, seq, keys)
+            self._raise_if_peer_failed(f"collective {seq + 1} of the {current.name}")
             self._answer_alarms()  # a rank checked from further on may wait for this one
         posts = [value.decode().split("\n", 1) for value in self._store.multi_get(keys)]
         self.num_checked += 1
@@ -244,6 +274,7 @@ class CollectiveOrder:
     # -- errors ----------------------------------------------------------------------
 
     def _fail(self, current: _Pass, seq: int, posts: list[list[str]]) -> None:
+        self._raise_if_peer_failed(f"collective {seq + 1} of the {current.name}")
         entries = []
         for head, _ in posts:
             operation, tag = head.split()
@@ -257,6 +288,7 @@ class CollectiveOrder:
         raise self._error
 
     def _fail_absent(self, current: _Pass, seq: int, keys: list[str]) -> None:
+        self._raise_if_peer_failed(f"collective {seq + 1} of the {current.name}")
         absent = [rank for rank, key in enumerate(keys) if not self._store.check([key])]
         self._error = DivergenceError(
             f"ranks {absent} did not reach collective {seq + 1} of the {current.name} at ZeRO "

@@ -61,11 +61,20 @@ def wait_timed(work: Any, on_stall: OnStall) -> None:
         on_stall()
 
 
+def stop_waiting_thread(timeout_s: float) -> bool:
+    """Let the waiting thread finish what it holds and end; whether it ended in time.
+
+    Called at interpreter exit (see [Note: ending the process] in zerodp.comm.teardown):
+    a thread still inside `work.wait()` when the interpreter finalizes aborts the process.
+    """
+    return _HELPER.stop(timeout_s)
+
+
 class _WaitingThread:
     """One daemon thread that waits for works which ignore a timed wait, in issue order."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, WatchedWork]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, WatchedWork] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -85,17 +94,29 @@ class _WaitingThread:
                 )
                 self._thread.start()
 
+    def stop(self, timeout_s: float) -> bool:
+        with self._lock:
+            thread = self._thread
+            if thread is None or not thread.is_alive():
+                return True
+            self._queue.put(None)
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
     def _run(self) -> None:
         while True:
-            work, watched = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # stop(): every item before it has been waited for
+                return
+            work, watched = item
             try:
                 work.wait()
             except BaseException as error:  # handed to the waiting caller
                 watched.failed = error
             finally:
                 watched.done.set()
-                # Hold no work between items: a work still referenced from this (daemon)
-                # thread at interpreter exit outlives its process group and aborts the process.
+                # Hold no work between items: its last reference dropped here while the
+                # interpreter finalizes aborts the process ([Note: ending the process]).
                 del work, watched
 
 

@@ -169,6 +169,13 @@ class ParamCoordinator:
         if self.order is not None:
             self.order.end()
 
+    def fail_forward(self, error: BaseException) -> None:
+        """The forward raised `error` on this rank: release what it gathered, and tell the
+        other ranks, which wait for its part of the pass ([Note: failure notices])."""
+        if self.order is not None:
+            self.order.fail(error)
+        self.abort()
+
     def release_unheld(self) -> None:
         """Release every group nobody holds (before an optimizer step, for instance)."""
         for state in self.states:

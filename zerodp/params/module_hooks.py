@@ -33,6 +33,7 @@ from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.leaf import enter_leaf
 from zerodp.params.saved_tensors import SavedTensorGatherer
+from zerodp.torch_internals import forward_raised
 
 
 class HookRole(enum.Enum):
@@ -212,6 +213,10 @@ class Stage3ModuleHooks:
                     outputs, lambda grad: self._pre_backward(module), mode="any"
                 )
         if module is self.root and not autograd_api.in_backward():
-            self.coordinator.end_forward(backward_follows=torch.is_grad_enabled())
+            error = forward_raised()
+            if error is None:
+                self.coordinator.end_forward(backward_follows=torch.is_grad_enabled())
+            else:  # the forward is dying: its pass must not look complete to the other ranks
+                self.coordinator.fail_forward(error)
             if self._root_pushed and self._root_pushed.pop():
                 self.saved_tensors.pop()

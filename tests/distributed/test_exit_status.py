@@ -1,0 +1,53 @@
+"""How a failing run ends: every rank with Python's own exit status or the script's, and the
+ranks that did not fail naming the one that did.
+
+Each scenario of tools/exit_scenarios.py runs once here, as 2 plain processes (not through
+torchrun, which stops the other ranks with its own SIGTERM once one fails), all scenarios side
+by side. Before [Note: ending the process] (zerodp/comm/teardown.py) these ended now and then
+with SIGABRT ("terminate called without an active exception", status -6) on a busy machine;
+`python tools/exit_stress.py` runs each 20 times under load and tabulates the statuses.
+The frozen-peer scenarios are covered by test_runtime_faults (through `zerodp run`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tools.exit_scenarios import EXPECTED
+from zerodp.testing.ranks import RankExit, run_ranks
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "exit_scenarios.py"
+SCENARIOS = ["mismatch", "divergence", "checkpoint", "user_error", "oom_forward"]
+
+
+def _run(scenario: str, not_a_directory: Path) -> list[RankExit]:
+    return run_ranks([str(SCRIPT), scenario, str(not_a_directory)], timeout_s=240)
+
+
+def test_every_rank_ends_with_its_own_status_and_the_culprit_is_named(tmp_path) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    with ThreadPoolExecutor(len(SCENARIOS)) as pool:
+        runs = dict(zip(SCENARIOS, pool.map(_run, SCENARIOS, [not_a_directory] * 5), strict=True))
+    for scenario, exits in runs.items():
+        for expected, rank_exit in zip(EXPECTED[scenario], exits, strict=True):
+            assert rank_exit.status == expected, (scenario, rank_exit)
+            assert "terminate called" not in rank_exit.output, (scenario, rank_exit)
+    for scenario, error in (
+        ("mismatch", "RankMismatchError: ranks disagree at start-up"),
+        ("divergence", "DivergenceError: ranks took different paths"),
+        ("checkpoint", "CheckpointPathError"),
+    ):
+        assert all(error in r.output for r in runs[scenario]), runs[scenario]
+    peer, culprit = runs["user_error"]
+    assert "ValueError: the user's data loader found a corrupt record" in culprit.output
+    assert (
+        "PeerFailedError: rank 1 failed and is ending: ValueError: the user's data loader "
+        "found a corrupt record" in peer.output
+    ), peer.output
+    peer, culprit = runs["oom_forward"]
+    assert "torch.OutOfMemoryError" in culprit.output
+    assert "PeerFailedError: rank 1 failed" in peer.output, peer.output
+    assert "OutOfMemoryError: CUDA out of memory" in peer.output, peer.output
+    assert "DivergenceError" not in peer.output, peer.output

@@ -1,0 +1,126 @@
+"""One rank of a failing run; `tools/exit_stress.py` starts the ranks and reads their exit statuses.
+
+Each scenario is how a real run ends when something goes wrong, on 2 ranks (gloo on the CPU):
+
+- `frozen1`, `frozen3`: rank 1 freezes after one step (alive, in no collective) at stage 1 or 3;
+  rank 0's next collective fails at `comms_timeout_s` (5 s) and the script exits 3; rank 1 wakes
+  after its peer has gone, its next collective fails, and it exits 3 too.
+- `mismatch`: the ranks start with different ZeRO stages; `RankMismatchError` on both (exit 1).
+- `divergence`: rank 1 skips a module at stage 3; `DivergenceError` on both (exit 1).
+- `checkpoint`: a save into a path that is a file (the second argument); `CheckpointError` on
+  both (exit 1).
+- `user_error`: rank 1's own code raises `ValueError` after two steps (exit 1); rank 0, in its
+  next step, fails with a `PeerFailedError` that names rank 1's error (exit 1).
+- `oom_forward`: rank 1 runs out of memory inside its third forward at stage 3 (exit 1); rank 0
+  fails with a `PeerFailedError` naming rank 1's `OutOfMemoryError`, not a divergence (exit 1).
+
+Every status is Python's own for the error (1 for an uncaught exception) or the script's; the
+statuses these runs must never end with are 134 (SIGABRT) and -6.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zerodp
+from tests.configs import optimizer_config, zerodp_config
+from tests.models import TinyNet, tiny_inputs
+
+EXPECTED: dict[str, tuple[int, int]] = {
+    "frozen1": (3, 3),
+    "frozen3": (3, 3),
+    "mismatch": (1, 1),
+    "divergence": (1, 1),
+    "checkpoint": (1, 1),
+    "user_error": (1, 1),
+    "oom_forward": (1, 1),
+}
+
+
+class SkippingNet(nn.Module):
+    """Rank 1 skips `extra`: at stage 3 its gathers differ from rank 0's."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.body = nn.Linear(7, 7)
+        self.extra = nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.body(x)
+        return x if self.rank == 1 else self.extra(x)
+
+
+def _out_of_memory(module: nn.Module, args: object) -> None:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
+
+
+def _config(stage: int, **extra: object) -> dict:
+    config = zerodp_config(
+        stage, optimizer=optimizer_config("AdamW", lr=1e-2), persistence_threshold=0
+    )
+    config["comms_timeout_s"] = 5
+    config.update(extra)
+    return config
+
+
+def _train(engine: zerodp.ZeroEngine, rank: int, steps: range) -> None:
+    for step in steps:
+        engine.backward(engine(tiny_inputs(rank, step)).square().mean())
+        engine.step()
+
+
+def frozen(stage: int, rank: int) -> None:
+    engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(stage))
+    _train(engine, rank, range(1))
+    if rank == 1:
+        time.sleep(15)  # frozen past rank 0's timeout; rank 0 has failed and gone by now
+    try:
+        _train(engine, rank, range(1, 3))
+    except zerodp.CollectiveError as error:
+        print(f"rank {rank}: {error}", flush=True)
+        sys.exit(3)
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    torch.manual_seed(0)
+    rank = int(os.environ["RANK"])
+    if scenario in ("frozen1", "frozen3"):
+        frozen(int(scenario[-1]), rank)
+    elif scenario == "mismatch":
+        zerodp.initialize(model=TinyNet(), config=_config(3 if rank == 0 else 2))
+    elif scenario == "divergence":
+        engine, _, _, _ = zerodp.initialize(model=SkippingNet(rank), config=_config(3))
+        engine(torch.randn(4, 7)).sum()
+    elif scenario == "checkpoint":
+        engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(2))
+        _train(engine, rank, range(1))
+        engine.save_checkpoint(sys.argv[2])  # a file, not a directory
+    elif scenario == "user_error":
+        engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(3))
+        _train(engine, rank, range(2))
+        if rank == 1:
+            raise ValueError("the user's data loader found a corrupt record")
+        _train(engine, rank, range(2, 4))
+    elif scenario == "oom_forward":
+        model = TinyNet()
+        engine, _, _, _ = zerodp.initialize(model=model, config=_config(3))
+        _train(engine, rank, range(2))
+        if rank == 1:
+            model.norm.register_forward_pre_hook(_out_of_memory)
+        _train(engine, rank, range(2, 4))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}; one of {sorted(EXPECTED)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Ending a process that used zerodp, in an order that cannot abort the interpreter.
+
+[Note: ending the process]
+gloo runs each collective on a worker thread of its own. The caller sees the
+work complete, but the worker drops its reference to the work (and to the
+work's tensors) a moment later. When that reference is the last one to a
+tensor that Python created, dropping it decrements a Python object, which
+needs the GIL. Once the interpreter has begun to finalize, a thread that asks
+for the GIL is ended by `pthread_exit`, and that forced unwind through gloo's
+`noexcept` frames calls `std::terminate`: "terminate called without an active
+exception", SIGABRT, exit status 134 instead of the script's. The window is
+the time between the main thread's last collective and interpreter exit, which
+is short on a quiet machine and long on a busy one, so a failing run (which
+exits right after its last collective) ended by SIGABRT "sometimes". zerodp's
+waiting thread (`zerodp.comm.waiting`), blocked in `work.wait()` with the GIL
+released, hits the same wall when it wakes during finalization.
+
+So zerodp registers `end_collectives` with `atexit` (atexit handlers run
+before finalization, while other threads may still take the GIL) and there:
+
+1. aborts each process group that still has a zerodp collective in flight or
+   whose collective failed: nothing will read those results, and a peer that
+   died or froze would never complete them (an abort makes them fail at once);
+2. stops the waiting thread (its pending waits return once the group aborted);
+3. destroys the process groups. The group's destructor drains gloo's queue and
+   joins its worker threads with the GIL released, so every worker finishes
+   its last work while the interpreter is whole.
+
+Nothing here runs when the user already destroyed the process group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from zerodp.comm import failures
+from zerodp.comm.waiting import stop_waiting_thread
+
+if TYPE_CHECKING:
+    from zerodp.comm.collectives import Comm
+
+logger = logging.getLogger("zerodp")
+
+_STOP_WAITING_S = 10.0  # the waiting thread's last wait returns once the group is aborted
+
+_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+_registered = threading.Lock()
+_REGISTERED: list[bool] = []
+
+
+def register(comm: Comm | None = None) -> None:
+    """Tear down at exit (registered once per process); `comm`'s collectives take part."""
+    if comm is not None:
+        _COMMS.add(comm)
+    with _registered:
+        if not _REGISTERED:
+            atexit.register(end_collectives)
+            failures.install_excepthook()  # see [Note: failure notices]
+            _REGISTERED.append(True)
+
+
+def end_collectives() -> None:
+    """Abort what cannot complete, stop the waiting thread, destroy the process groups.
+
+    See [Note: ending the process]. Called at interpreter exit; safe to call twice.
+    """
+    for group in _groups_to_abort():
+        abort_group(group)
+    if not stop_waiting_thread(_STOP_WAITING_S):
+        logger.warning(
+            "zerodp's collective-waiting thread did not stop within %.0f s at exit",
+            _STOP_WAITING_S,
+        )
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_group(group: Any) -> None:
+    """Abort `group` (None: the default group): its in-flight collectives fail at once."""
+    target = group if group is not None else dist.group.WORLD
+    abort = getattr(target, "abort", None)
+    if abort is None:  # pragma: no cover - a backend without abort: nothing better to do
+        return
+    try:
+        abort()
+    except RuntimeError:  # pragma: no cover - the backend could not abort; it stays as is
+        logger.warning("could not abort a process group")
+
+
+def _groups_to_abort() -> list[Any]:
+    groups: list[Any] = []
+    if not (dist.is_available() and dist.is_initialized()):
+        return groups
+    for comm in list(_COMMS):
+        # A failed collective aborted its group already (`Comm._abort_group`).
+        pending = comm.world_size > 1 and comm.history.broken is None and comm.has_in_flight()
+        if pending and all(comm.group is not seen for seen in groups):
+            groups.append(comm.group)
+    return groups
