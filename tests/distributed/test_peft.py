@@ -2,8 +2,10 @@
 
 The model is the tiny Llama of `tests/hf_models.py` with LoRA adapters on
 the attention and MLP projections, added by `peft.get_peft_model` before the
-engine exists, as PEFT users do: on a plain model (stages 1, 2, 3) and on a
-model built sharded under `zerodp.zero.Init` (stage 3). `ZeroDPTrainer`
+engine exists, as PEFT users do: on a plain model (stages 1, 2, 3), on a
+model built sharded under `zerodp.zero.Init` (stage 3), and on a model an
+engine already manages (refused at the next forward, then trained by a new
+engine after `destroy()`). `ZeroDPTrainer`
 trains it on 2 ranks (micro batch 2, accumulation 2, clipping at 0.5); the
 reference is the plain `transformers.Trainer` on the same PEFT model in one
 process with the global batch (micro batch 4), whose accelerate-prepared
@@ -41,15 +43,23 @@ STEPS = 3
 LR = 1e-2
 BOUND = 1e-5
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+OPTIMIZER = {"type": "AdamW", "params": {"lr": LR}}
 
-# name -> (zero_optimization block, built under zero.Init)
-CASES: dict[str, tuple[dict[str, Any], bool]] = {
-    "stage 1": ({"stage": 1}, False),
-    "stage 2": ({"stage": 2}, False),
+PLAIN, ZERO_INIT, AFTER_INITIALIZE = "plain", "zero.Init", "after initialize"
+# name -> (zero_optimization block, how the base model and the adapters come to be)
+CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "stage 1": ({"stage": 1}, PLAIN),
+    "stage 2": ({"stage": 2}, PLAIN),
     # "auto" (10 x hidden size): the base matrices are sharded, the small adapters kept whole.
-    "stage 3": ({"stage": 3, "stage3_param_persistence_threshold": "auto"}, False),
+    "stage 3": ({"stage": 3, "stage3_param_persistence_threshold": "auto"}, PLAIN),
     # Threshold 0: the adapters, added after the base was built sharded, are sharded too.
-    "stage 3, zero.Init": ({"stage": 3, "stage3_param_persistence_threshold": 0}, True),
+    "stage 3, zero.Init": ({"stage": 3, "stage3_param_persistence_threshold": 0}, ZERO_INIT),
+    # Adapters added to a model an engine already manages: its next forward refuses them (the
+    # engine would not step them); engine.destroy() and a new engine train them.
+    "stage 3, adapters after initialize": (
+        {"stage": 3, "stage3_param_persistence_threshold": "auto"},
+        AFTER_INITIALIZE,
+    ),
 }
 
 
@@ -93,14 +103,24 @@ def train_case(name: str, workdir: str) -> dict[str, Any]:
     import zerodp
     from zerodp.integrations.transformers import ZeroDPTrainer
 
-    zero, under_init = CASES[name]
+    zero, how = CASES[name]
     config = {"zero_optimization": dict(zero)}
-    if under_init:
+    if how == ZERO_INIT:
         with zerodp.zero.Init(config={**config, "train_micro_batch_size_per_gpu": MICRO}):
             base = build_llama()
     else:
         base = build_llama()
-    model = lora_model(base)
+    if how == AFTER_INITIALIZE:
+        first, _, _, _ = zerodp.initialize(
+            model=base,
+            config={**config, "train_micro_batch_size_per_gpu": MICRO, "optimizer": OPTIMIZER},
+        )
+        model = lora_model(base)
+        with pytest.raises(zerodp.UsageError, match=r"before zerodp.initialize"):
+            model(input_ids=probe_tokens())
+        first.destroy()
+    else:
+        model = lora_model(base)
     initial_base = {
         n: zerodp.utils.safe_get_full_fp32_param(p).clone()
         for n, p in model.named_parameters()
@@ -201,7 +221,7 @@ def test_lora_trains_only_the_adapters_exactly_as_single_process_peft(
         assert result["base_changed"] == [], (name, result["base_changed"])
         if "stage 3" in name:
             assert result["num_sharded"] > 0, name
-        assert result["adapters_sharded"] == ("zero.Init" in name), name
+        assert result["adapters_sharded"] == (CASES[name][1] == ZERO_INIT), name
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(result["files"])
         assert not any(f.startswith("model") for f in result["files"]), result["files"]
         reloaded = result["reloaded"]
