@@ -239,4 +239,3 @@ def test_lora_trains_only_the_adapters_exactly_as_single_process_peft(
             f"logits {logits_diff:.0e} |"
         )
     print("\n".join(table))
-
