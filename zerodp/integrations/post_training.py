@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import zerodp
+from zerodp.errors import ConfigError
 from zerodp.gathered import GatheredParameters
 
 # Config blocks that only a model with an optimizer uses; a frozen engine is built without them.
@@ -56,18 +57,34 @@ def prepare_frozen_model(model: nn.Module, config: dict[str, Any]) -> zerodp.Zer
     """A frozen engine on `model` when `config` is at stage 3, else None (the caller places it).
 
     As TRL's `prepare_deepspeed`: below stage 3 every rank keeps the whole
-    frozen model, at stage 3 it is sharded like the policy. Its parameters
-    are set to `requires_grad=False` first: nothing steps them (TRL runs the
-    reference under `no_grad`), and a frozen engine holds no gradient state.
+    frozen model, at stage 3 it is sharded like the policy. With no
+    optimizer in its config the engine is an inference engine: it freezes
+    the parameters (TRL runs the reference under `no_grad`) and holds no
+    gradient or optimizer state.
     """
-    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-    if stage != 3:
+    if _stage(config) != 3:
         return None
-    for param in model.parameters():
-        param.requires_grad_(False)
     engine, _, _, _ = zerodp.initialize(model=model, config=frozen_model_config(config))
     engine.eval()
     return engine
+
+
+def refuse_unsupported_post_training(args: Any, config: dict[str, Any]) -> None:
+    """TRL options whose DeepSpeed path has no zerodp equivalent yet, refused before training.
+
+    `sync_ref_model=True` (TR-DPO) mixes the policy into the reference with
+    `param.data` arithmetic, which at stage 3 would read and write shards.
+    """
+    if getattr(args, "sync_ref_model", False) and _stage(config) == 3:
+        raise ConfigError(
+            "sync_ref_model=True is not supported at zero_optimization.stage 3 (the reference "
+            "update would read and write parameter shards); use stage 1 or 2, or "
+            "sync_ref_model=False"
+        )
+
+
+def _stage(config: dict[str, Any]) -> int:
+    return int((config.get("zero_optimization") or {}).get("stage", 0))
 
 
 def adapter_state_dict(model: nn.Module, *, keep: bool) -> dict[str, torch.Tensor]:

@@ -29,8 +29,9 @@ class SubclassFactory:
 
     def subclass(self, trainer_class: Any) -> Any:
         if not (isinstance(trainer_class, type) and issubclass(trainer_class, self.root)):
+            package = self.root.__module__.split(".")[0]
             raise TypeError(
-                f"with_zerodp takes a {self.root.__module__}.{self.root.__name__} subclass, "
+                f"with_zerodp takes a {package}.{self.root.__name__} subclass, "
                 f"got {trainer_class!r}"
             )
         if issubclass(trainer_class, self.zerodp_base):

@@ -90,6 +90,7 @@ from zerodp.integrations.post_training import (
     adapter_state_dict,
     is_peft_model,
     prepare_frozen_model,
+    refuse_unsupported_post_training,
 )
 from zerodp.integrations.trainer_config import (
     TrainerValues,
@@ -226,6 +227,7 @@ class ZeroDPTrainer(Trainer):
             self.engine.destroy()
             self.engine = None
         config = self._filled_config(max_steps)
+        refuse_unsupported_post_training(self.args, config)
         optimizer, model_parameters = self._engine_optimizer(config)
         lr_scheduler = self._engine_scheduler(config, max_steps)
         model = self._module()
