@@ -9,7 +9,8 @@ order of the additions only (fp32, bound 1e-5 as in test_hf_trainer).
 - SFT: full fine-tuning on fixed-length rows, stages 1 and 3.
 - DPO: stage 1 with a reference model (a plain replicated model, as TRL's
   `prepare_deepspeed` keeps it below stage 3), and stage 3 with LoRA (the
-  reference is the policy with its adapter disabled).
+  reference is the frozen copy of the initial adapter, "ref", that TRL adds
+  to a PEFT policy: frozen parameters sharded next to the trained ones).
 - GRPO: stages 1 and 3, generation with HF `generate` (no vLLM). Sampling is
   made reproducible across process layouts without losing randomness:
   completion k of a prompt is sampled by the Gumbel-max trick with noise
@@ -63,7 +64,7 @@ CASES = [
     Case("SFT, stage 1", "sft", 1),
     Case("SFT, stage 3", "sft", 3),
     Case("DPO, stage 1, reference model", "dpo", 1),
-    Case("DPO, stage 3, LoRA (reference: adapter disabled)", "dpo", 3, lora=True),
+    Case("DPO, stage 3, LoRA (reference: a frozen copy of the adapter)", "dpo", 3, lora=True),
     Case("GRPO, stage 1", "grpo", 1),
     Case("GRPO, stage 3", "grpo", 3),
 ]
