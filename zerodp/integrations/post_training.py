@@ -3,7 +3,7 @@
 TRL and PEFT call DeepSpeed-specific paths when they detect DeepSpeed; under
 zerodp they see a plain `Trainer` with no DeepSpeed plugin, so each of those
 paths needs a zerodp equivalent that comes in through a seam the Trainer
-already has (docs/post-training.md has the whole table):
+already has (docs/integrations.md, "TRL and PEFT", has the whole table):
 
 - A frozen model next to the policy (DPO's reference, GRPO's reference and
   reward models): TRL hands it to `accelerator.prepare_model(m,
