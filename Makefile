@@ -15,7 +15,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_PIN)"
-	$(BIN)/pip install -e ".[test,demo]"
+	$(BIN)/pip install -e ".[test,demo,trl]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from zerodp.testing import WorkerPool
+
+# Nothing in the tests may reach the network (TRL's trainers report usage to the Hub); the
+# worker processes inherit this.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,10 @@ message that names what to use instead:
   the error comes from the `DistributedDataParallel(model)` line itself;
 - FSDP, FSDP2, or DDP by another route: the first forward through the wrapper;
 - another optimizer: its first `step()` (a global step pre-hook of torch.optim,
-  installed once), before it changes anything.
+  installed once), before it changes anything;
+- parameters added to the module after `initialize` (`peft.get_peft_model` on
+  the engine's model, a new head): the next forward, since the engine would
+  neither reduce their gradients nor step them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class ModuleGuard:
         self._had = DDP_ATTRIBUTE in module.__dict__
         self._previous = module.__dict__.get(DDP_ATTRIBUTE)
         module.__dict__[DDP_ATTRIBUTE] = RefuseDDP()
+        self._num_params = _num_params(module)
         _install_optimizer_check()
 
     def check_forward(self) -> None:
@@ -65,12 +69,24 @@ class ModuleGuard:
             raise UsageError(
                 f"this model is managed by zerodp and was wrapped in {wrapper}: {_INSTEAD}"
             )
+        num_params = _num_params(self.module)
+        if num_params != self._num_params:
+            raise UsageError(
+                f"the model had {self._num_params} parameters at zerodp.initialize and has "
+                f"{num_params} now; the engine would neither reduce nor step the new ones. "
+                "Add adapters (peft.get_peft_model) or new layers before zerodp.initialize, "
+                "or engine.destroy() and initialize again"
+            )
 
     def remove(self) -> None:
         if self._had:
             self.module.__dict__[DDP_ATTRIBUTE] = self._previous
         else:
             self.module.__dict__.pop(DDP_ATTRIBUTE, None)
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(1 for _ in module.parameters())
 
 
 # Optimizers zerodp steps itself (its own, and the torch optimizers inside), and optimizers

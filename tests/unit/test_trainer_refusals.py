@@ -98,3 +98,71 @@ def test_an_optimizer_passed_twice_is_refused(tmp_path: Path) -> None:
 def test_the_optimizer_is_zerodps_to_build(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="builds its optimizer inside zerodp at train"):
         trainer(tmp_path).create_optimizer()
+
+
+# -- with_zerodp: any Trainer subclass ----------------------------------------------------------
+
+
+def test_with_zerodp_makes_one_class_per_trainer_class_between_it_and_trainer() -> None:
+    from zerodp.integrations.transformers import ZeroDPTrainer, with_zerodp
+
+    class LoggingTrainer(transformers.Trainer):
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            return super().training_step(*args, **kwargs)
+
+    assert with_zerodp(transformers.Trainer) is ZeroDPTrainer
+    made = with_zerodp(LoggingTrainer)
+    assert made is with_zerodp(LoggingTrainer) and with_zerodp(made) is made
+    assert made.__name__ == "ZeroDPLoggingTrainer"
+    mro = made.__mro__
+    # The subclass's overrides run first and reach zerodp's, then the Trainer's, via super().
+    assert mro.index(LoggingTrainer) < mro.index(ZeroDPTrainer) < mro.index(transformers.Trainer)
+    with pytest.raises(TypeError, match=r"takes a transformers\.Trainer subclass"):
+        with_zerodp(torch.nn.Module)  # type: ignore[arg-type]
+
+
+def test_with_zerodp_refuses_an_override_that_would_bypass_the_engine() -> None:
+    from zerodp.integrations.transformers import with_zerodp
+
+    class OwnStep(transformers.Trainer):
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            loss = model(**inputs).loss
+            loss.backward()  # a DDP-style step: zerodp's backward would never run
+            return loss.detach()
+
+    with pytest.raises(TypeError, match=r"OwnStep.training_step replaces .* without calling super"):
+        with_zerodp(OwnStep)
+
+
+def test_a_made_class_takes_zerodp_config_and_refuses_deepspeed(tmp_path: Path) -> None:
+    from zerodp.integrations.transformers import with_zerodp
+
+    class Custom(transformers.Trainer):
+        def __init__(self, model: Any, extra: int, args: Any, **kwargs: Any) -> None:
+            self.extra = extra
+            super().__init__(model=model, args=args, **kwargs)
+
+    made = with_zerodp(Custom)
+    args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+    built = made(build_llama(), 7, args, zerodp_config={"zero_optimization": {"stage": 1}})
+    assert built.extra == 7 and built.zerodp_config == {"zero_optimization": {"stage": 1}}
+    with pytest.raises(ConfigError, match="ZeroDPCustom needs zerodp_config="):
+        made(build_llama(), 7, args)
+    ds_args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+    ds_args.deepspeed = "ds_config.json"  # checked before the Trainer would start DeepSpeed
+    with pytest.raises(ConfigError, match="cannot use TrainingArguments deepspeed="):
+        made(build_llama(), 7, ds_args, zerodp_config={"zero_optimization": {"stage": 1}})
+
+
+def test_trl_options_without_a_zerodp_path_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from zerodp.integrations.post_training import refuse_unsupported_post_training
+
+    stage3 = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ConfigError, match="sync_ref_model=True is not supported at"):
+        refuse_unsupported_post_training(SimpleNamespace(sync_ref_model=True), stage3)
+    refuse_unsupported_post_training(
+        SimpleNamespace(sync_ref_model=True), {"zero_optimization": {"stage": 1}}
+    )
+    refuse_unsupported_post_training(SimpleNamespace(sync_ref_model=False), stage3)

@@ -221,3 +221,18 @@ def _same(current: Any, value: Any) -> bool:
     if isinstance(value, int | float) and isinstance(current, int | float):
         return float(current) == float(value)
     return bool(current == value)
+
+
+def refuse_unsupported_arguments(args: Any) -> None:
+    """TrainingArguments that would put another engine or wrapper around the model."""
+    if args is None:
+        return
+    problems = []
+    if getattr(args, "deepspeed", None):
+        problems.append("deepspeed= (pass that config as ZeroDPTrainer(zerodp_config=...) instead)")
+    if getattr(args, "fsdp", None):
+        problems.append("fsdp= (zerodp shards the model itself)")
+    if getattr(args, "auto_find_batch_size", False):
+        problems.append("auto_find_batch_size=True (it rebuilds the model's engine mid-run)")
+    if problems:
+        raise ConfigError("ZeroDPTrainer cannot use TrainingArguments " + "; ".join(problems))

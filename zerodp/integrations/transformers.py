@@ -1,15 +1,22 @@
-"""`ZeroDPTrainer`: the HF `Trainer`, with zerodp doing the training step.
+"""`ZeroDPTrainer` and `with_zerodp`: the HF `Trainer` (or any subclass), zerodp doing the step.
 
     trainer = ZeroDPTrainer(model=model, args=TrainingArguments(...),
                             train_dataset=dataset, zerodp_config="zero3.json")
     trainer.train()                      # torchrun --nproc_per_node N train.py
     trainer.save_model("out")            # config.json + model.safetensors
 
+    DPO = with_zerodp(trl.DPOTrainer)    # any transformers.Trainer subclass
+    DPO(model=policy, ref_model=ref, args=DPOConfig(...), ..., zerodp_config=config)
+
 The Trainer has no plug-in point for an outside engine, so this subclass
 takes over the few places where it would prepare, step or save the model
 itself ([Note: what ZeroDPTrainer takes over]). Everything else (data
 loading through Accelerate, the loop, callbacks, logging, evaluation,
 trainer_state.json, RNG state, checkpoint rotation) is the Trainer's own.
+`with_zerodp(cls)` slots `ZeroDPTrainer` between `cls` and `Trainer` in the
+method resolution order ([Note: with_zerodp's class order]), so a trainer
+such as TRL's keeps its own loss, data and generation code while zerodp
+prepares, steps and saves; `ZeroDPTrainer` is `with_zerodp(Trainer)`.
 
 [Note: what ZeroDPTrainer takes over]
 - Preparation (`_prepare_for_training`): `zerodp.initialize` builds the engine
@@ -40,7 +47,24 @@ trainer_state.json, RNG state, checkpoint rotation) is the Trainer's own.
   the Trainer's trainer_state.json and rng_state files and the HF weights;
   resuming loads it with `engine.load_checkpoint`.
 - `save_model`: the full weights gathered with `engine.state_dict()` and
-  written by rank 0 with `save_pretrained` (`_write_hf_model`).
+  written by rank 0 with `save_pretrained` (`_write_hf_model`); for a PEFT
+  model only the adapter's tensors are gathered, and PEFT writes its files.
+- Other models the trainer prepares for evaluation only (a reference or
+  reward model: `accelerator.prepare_model(m, evaluation_mode=True)`): at
+  stage 3 a frozen zerodp engine shards them as DeepSpeed would
+  (`post_training.prepare_frozen_model`); at stages 0-2 Accelerate places them.
+
+[Note: with_zerodp's class order]
+`with_zerodp(cls)` is `class ZeroDP<cls>(cls, ZeroDPTrainer)`, whose method
+resolution order is `ZeroDP<cls>, cls, ..., ZeroDPTrainer, Trainer`: the
+methods `cls` and its bases override run first and reach zerodp's through
+`super()`, exactly where they would reach the Trainer's. TRL's trainers
+override `training_step` and `_load_optimizer_and_scheduler` that way. An
+override of a method zerodp takes over that does not call `super()` would
+bypass the engine (a DDP-style step, a second optimizer), so `with_zerodp`
+refuses such a class with a `TypeError` naming the method. The made class's
+`__init__` takes `zerodp_config=` before `cls.__init__` runs, since a
+subclass's own signature (TRL's `ref_model=`, `reward_funcs=`) does not.
 """
 
 from __future__ import annotations
@@ -62,7 +86,19 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 
 import zerodp
 from zerodp.errors import CheckpointError, ConfigError, ConfigWarning, UsageError
-from zerodp.integrations.trainer_config import TrainerValues, read_config, trainer_config
+from zerodp.integrations.post_training import (
+    adapter_state_dict,
+    is_peft_model,
+    prepare_frozen_model,
+    refuse_unsupported_post_training,
+)
+from zerodp.integrations.trainer_config import (
+    TrainerValues,
+    read_config,
+    refuse_unsupported_arguments,
+    trainer_config,
+)
+from zerodp.integrations.trainer_factory import SubclassFactory
 from zerodp.integrations.trainer_views import EngineOptimizer, EngineScheduler
 
 logger = logging.getLogger("zerodp")
@@ -93,7 +129,7 @@ if _missing:  # pragma: no cover - depends on the installed transformers
         "(see pyproject.toml)"
     )
 
-__all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer"]
+__all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer", "with_zerodp"]
 
 # Schedulers the Trainer steps with a metric after evaluation; the engine steps without one.
 _METRIC_SCHEDULERS = frozenset({"reduce_lr_on_plateau", "greedy"})
@@ -111,19 +147,20 @@ class ZeroDPTrainer(Trainer):
     `train()` has built it.
     """
 
-    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        zerodp_config = kwargs.pop("zerodp_config", None)
-        if zerodp_config is None:
-            raise ConfigError(
-                "ZeroDPTrainer needs zerodp_config= (a dict or the path of a JSON config, e.g. "
-                '{"zero_optimization": {"stage": 3}}, with "auto" where the TrainingArguments '
-                "decide)"
-            )
-        read_config(zerodp_config)  # a bad path or type fails now, not at train()
-        _refuse_unsupported_arguments(args)
-        self.zerodp_config = zerodp_config
+    def __init__(
+        self,
+        model: Any = None,
+        args: Any = None,
+        *rest: Any,
+        zerodp_config: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if zerodp_config is not None or "zerodp_config" not in self.__dict__:
+            self._take_zerodp_config(zerodp_config, args)
         self.engine: zerodp.ZeroEngine | None = None
+        self._frozen_engines: list[zerodp.ZeroEngine] = []
         super().__init__(model, args, *rest, **kwargs)
+        refuse_unsupported_arguments(self.args)  # also a subclass's default arguments
         if self.args.n_gpu > 1:
             raise UsageError(
                 f"this process sees {self.args.n_gpu} GPUs and the Trainer would use "
@@ -138,6 +175,18 @@ class ZeroDPTrainer(Trainer):
             )
         # What the user passed as optimizers=(...): handed to zerodp at train().
         self._given_optimizer, self._given_scheduler = self.optimizer, self.lr_scheduler
+
+    def _take_zerodp_config(self, zerodp_config: Any, args: Any) -> None:
+        """Check `zerodp_config=` and the TrainingArguments before the Trainer starts anything."""
+        if zerodp_config is None:
+            raise ConfigError(
+                f"{type(self).__name__} needs zerodp_config= (a dict or the path of a JSON "
+                'config, e.g. {"zero_optimization": {"stage": 3}}, with "auto" where the '
+                "TrainingArguments decide)"
+            )
+        read_config(zerodp_config)  # a bad path or type fails now, not at train()
+        refuse_unsupported_arguments(args)
+        self.zerodp_config = zerodp_config
 
     # -- what the Trainer would otherwise do to the model --------------------------------
 
@@ -155,6 +204,13 @@ class ZeroDPTrainer(Trainer):
         def prepare_model_unless_ours(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
             if model is self.model and self.engine is not None:
                 return model  # zerodp placed and cast it: no DDP, no autocast wrapper
+            if kwargs.get("evaluation_mode") and model is not self.model:
+                frozen = prepare_frozen_model(
+                    model, self._filled_config(max(self.args.max_steps, 0))
+                )
+                if frozen is not None:  # stage 3: sharded by a frozen engine
+                    self._frozen_engines.append(frozen)
+                    return model
             return prepare_model(model, *args, **kwargs)
 
         accelerator.prepare_model = prepare_model_unless_ours
@@ -170,10 +226,8 @@ class ZeroDPTrainer(Trainer):
         if self.engine is not None:  # train() again: a fresh engine on the same model
             self.engine.destroy()
             self.engine = None
-        values = TrainerValues.from_args(
-            self.args, num_training_steps=max_steps, world_size=self.args.world_size
-        )
-        config = trainer_config(self.zerodp_config, values)
+        config = self._filled_config(max_steps)
+        refuse_unsupported_post_training(self.args, config)
         optimizer, model_parameters = self._engine_optimizer(config)
         lr_scheduler = self._engine_scheduler(config, max_steps)
         model = self._module()
@@ -202,6 +256,13 @@ class ZeroDPTrainer(Trainer):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return model, train_dataloader
+
+    def _filled_config(self, num_training_steps: int) -> dict[str, Any]:
+        """The zerodp config with its "auto" values from the TrainingArguments."""
+        values = TrainerValues.from_args(
+            self.args, num_training_steps=num_training_steps, world_size=self.args.world_size
+        )
+        return trainer_config(self.zerodp_config, values)
 
     def _module(self) -> nn.Module:
         if self.model is None:
@@ -374,11 +435,34 @@ class ZeroDPTrainer(Trainer):
 
         HF key names, tied weights written once (save_pretrained drops the tied
         duplicates), the training dtype. Rank 0 holds the whole model once; a
-        streaming writer can replace this one function.
+        streaming writer can replace this one function. A PEFT model gathers
+        only its adapter's tensors, and `PeftModel.save_pretrained` writes
+        adapter_config.json and adapter_model.safetensors from them.
         """
         engine = self._require_engine()
-        state_dict = engine.state_dict(rank0_only=not self.args.save_on_each_node)
+        rank0_only = not self.args.save_on_each_node
+        model = self._module()
+        if is_peft_model(model):
+            state_dict = adapter_state_dict(model, keep=not rank0_only or engine.global_rank == 0)
+        else:
+            state_dict = engine.state_dict(rank0_only=rank0_only)
         self._save(output_dir, state_dict=state_dict)  # tied names share one tensor
+
+    @property
+    def frozen_engines(self) -> tuple[zerodp.ZeroEngine, ...]:
+        """The frozen engines of the models this trainer prepared for evaluation (stage 3)."""
+        return tuple(self._frozen_engines)
+
+    def destroy_engines(self) -> None:
+        """Destroy the training engine and the frozen ones; the models stay, with their weights.
+
+        For a process that goes on to build other engines on the same models.
+        """
+        for engine in [self.engine, *self._frozen_engines]:
+            if engine is not None:
+                engine.destroy()
+        self.engine = None
+        self._frozen_engines = []
 
 
 def _name(choice: Any) -> str:
@@ -386,16 +470,27 @@ def _name(choice: Any) -> str:
     return str(getattr(choice, "value", choice))
 
 
-def _refuse_unsupported_arguments(args: Any) -> None:
-    """TrainingArguments that would put another engine or wrapper around the model."""
-    if args is None:
-        return
-    problems = []
-    if getattr(args, "deepspeed", None):
-        problems.append("deepspeed= (pass that config as ZeroDPTrainer(zerodp_config=...) instead)")
-    if getattr(args, "fsdp", None):
-        problems.append("fsdp= (zerodp shards the model itself)")
-    if getattr(args, "auto_find_batch_size", False):
-        problems.append("auto_find_batch_size=True (it rebuilds the model's engine mid-run)")
-    if problems:
-        raise ConfigError("ZeroDPTrainer cannot use TrainingArguments " + "; ".join(problems))
+# -- any Trainer subclass ---------------------------------------------------------------------
+
+# What ZeroDPTrainer defines in place of the Trainer's: a subclass's override of one of these
+# must reach zerodp's through super() ([Note: with_zerodp's class order]).
+_TAKEN_OVER = (
+    *_REPLACED,
+    "create_accelerator_and_postprocess",
+    "create_optimizer",
+    "training_step",
+    "save_model",
+)
+_classes = SubclassFactory(Trainer, ZeroDPTrainer, _TAKEN_OVER)
+
+
+def with_zerodp(trainer_class: type[Trainer]) -> type[ZeroDPTrainer]:
+    """`trainer_class` with zerodp preparing, stepping and saving its model.
+
+    For any `transformers.Trainer` subclass (TRL's `SFTTrainer`,
+    `DPOTrainer`, `GRPOTrainer`, one of your own): the class returned takes
+    the same arguments plus `zerodp_config=`, as `ZeroDPTrainer` does, and is
+    the same class on every call. `with_zerodp(Trainer)` is `ZeroDPTrainer`.
+    See [Note: with_zerodp's class order].
+    """
+    return _classes.subclass(trainer_class)

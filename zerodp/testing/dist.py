@@ -59,10 +59,16 @@ def _worker_main(
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
+    # Each task starts from this environment: a tool under test may change it (Lightning's
+    # teardown deletes WORLD_SIZE), which would reach the next task of the same worker.
+    environment = dict(os.environ)
     while True:
         task = tasks.get()
         if task is None:
             break
+        if os.environ != environment:
+            os.environ.clear()
+            os.environ.update(environment)
         module_name, qualname, args, kwargs, timeout_s = task
         faulthandler.dump_traceback_later(max(1.0, timeout_s - 2.0), exit=False)
         try:
