@@ -28,6 +28,7 @@ from zerodp.errors import (
     UsageError,
     ZeroDPError,
 )
+from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
 from zerodp.startup_checks import RankMismatchError
 
 __version__ = "0.1.0"
@@ -41,10 +42,13 @@ __all__ = [
     "ConfigError",
     "ConfigWarning",
     "DivergenceError",
+    "EngineMode",
     "GradientState",
     "LifecycleError",
     "LossScaleError",
     "NonFiniteError",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
     "ParamStateError",
     "RankMismatchError",
     "UsageError",
@@ -117,6 +121,8 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
+    if engine.mode is EngineMode.INFERENCE:  # no optimizer, no scheduler (as DeepSpeed)
+        return engine, None, engine.training_dataloader, None
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
