@@ -1,10 +1,10 @@
 """Push a stage 3 policy's weights to a generation server after each update (a vLLM-style sync).
 
 The trainer ranks (torchrun) train a small Llama with zerodp at ZeRO stage 3. Rank 0
-also starts a separate process, the "server", which holds a plain copy of the model
-(random weights at first) and joins rank 0 in a two-member process group of its own,
-apart from the training group, as a generation server's workers would. After each
-training round:
+also starts a separate process (this script with `--serve`), the "server", which holds
+a plain copy of the model (random weights at first) and joins rank 0 in a two-member
+process group of its own, apart from the training group, as a generation server's
+workers would. After each training round:
 
 1. every trainer rank iterates `engine.full_parameters(bucket_bytes=...).buckets()`
    (a collective: buckets are assembled from the shards, one at a time); rank 0 sends
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing as mp
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -124,13 +124,13 @@ def receive_bucket(
     return [(name, received[name]) for name, _, _ in meta]
 
 
-def server(port: int) -> None:
+def server(port: int, rounds: int) -> None:
     """The generation server: load each round's weights by name, generate, report tokens."""
     torch.set_num_threads(1)
     store, group = side_group(port, rank=1)
     model = build_model(seed=999).eval()  # not the trainer's weights until the first sync
     targets = model.state_dict()
-    for round_ in range(ROUNDS):
+    for round_ in range(rounds):
         loaded, index = set(), 0
         while (bucket := receive_bucket(store, group, f"{round_}/{index}")) is not None:
             with torch.no_grad():
@@ -150,19 +150,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def main() -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+def run(rounds: int = ROUNDS) -> list[str]:
+    """Train and sync `rounds` times; rank 0 returns what it printed (the others nothing)."""
     engine, *_ = zerodp.initialize(model=build_model(seed=0), config=CONFIG)
     rank = engine.global_rank
     side, process = None, None
     if rank == 0:
         port = free_port()
-        process = mp.get_context("spawn").Process(target=server, args=(port,), daemon=True)
-        process.start()
+        command = [sys.executable, str(Path(__file__).resolve()), "--serve", str(port), str(rounds)]
+        process = subprocess.Popen(command)
         side = side_group(port, rank=0)
     generator = torch.Generator().manual_seed(rank)
-    for round_ in range(ROUNDS):
+    lines = []
+    for round_ in range(rounds):
         for _ in range(STEPS_PER_ROUND):
             ids = torch.randint(3, VOCAB, (4, 32), generator=generator)
             engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -178,16 +178,27 @@ def main() -> None:
         if side is not None:
             theirs = json.loads(side[0].get(f"{round_}/tokens"))
             same = theirs["tokens"] == ours
-            print(
+            lines.append(
                 f"round {round_ + 1}: {stream.report.num_buckets} buckets (at most "
                 f"{stream.report.peak_bucket_bytes} bytes assembled at once), "
                 f"{theirs['names']} tensors loaded; server tokens equal the trainers': {same}"
             )
+            print(lines[-1], flush=True)
             if not same:
                 raise SystemExit("the server generated other tokens than the trainers")
     if process is not None:
-        process.join(timeout=60)
+        process.wait(timeout=60)
     engine.destroy()
+    return lines
+
+
+def main() -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    if sys.argv[1:2] == ["--serve"]:  # the server process rank 0 starts
+        server(int(sys.argv[2]), int(sys.argv[3]))
+        return
+    run()
     destroy_process_group_if_owned()
 
 

@@ -234,3 +234,11 @@ def test_offload_round_trip_is_bitwise_and_training_continues(pools, stage, dtyp
     assert len(refusals) == 5, refusals
     assert all("reload_states()" in message for message in refusals), refusals
     assert "lp_params" in refusals[0] and "optim_states" in refusals[4], refusals
+
+
+def test_stream_weights_example_syncs_a_server(pools) -> None:
+    """examples/stream_weights.py, one round: the server's tokens equal the trainers'."""
+    from examples import stream_weights
+
+    lines = pools(2).run(stream_weights.run, 1)[0]
+    assert len(lines) == 1 and lines[0].endswith("equal the trainers': True"), lines
