@@ -168,11 +168,21 @@ def generation_cases(stage: int) -> dict[str, int]:
     total = sum(p.numel() for p in model.parameters())
     peaks: dict[str, int] = {}
     statuses, hooks = _statuses(engine), _hook_ids(model)
-    for mode in ("plain", "gathered", "layer_by_layer"):
-        if mode == "plain":
+    contexts = {  # name -> the context's arguments (None: plain generate, no context)
+        "plain": None,
+        "gathered": {},
+        "layer_by_layer": {"layer_by_layer": True},
+        "one_layer_at_a_time": {
+            "layer_by_layer": True,
+            "blocks": list(model.model.layers),
+            "prefetch_blocks": 0,
+        },
+    }
+    for mode, arguments in contexts.items():
+        if arguments is None:
             tokens = _generate(model, prompts)
         else:
-            with engine.gathered_for_generation(layer_by_layer=mode == "layer_by_layer") as report:
+            with engine.gathered_for_generation(**arguments) as report:
                 if stage == 3 and mode == "gathered":  # no hook left on any module but the root
                     inner = [m for m in model.modules() if m is not model]
                     assert not any(m._forward_pre_hooks or m._forward_hooks for m in inner)
@@ -185,13 +195,15 @@ def generation_cases(stage: int) -> dict[str, int]:
         layers = model.model.layers
         block = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
         rest = total - sum(p.numel() for p in layers.parameters())
+        padding = 2 * len(list(model.parameters()))  # at most one element per group and rank
         assert peaks["gathered"] >= total, peaks
-        # The rest of the model and two blocks at most (one running, one prefetched).
-        padding = 2 * len(list(model.parameters()))
+        # The rest of the model and two blocks at most (one running, one prefetched) ...
         assert peaks["layer_by_layer"] <= rest + 2 * block + padding, (peaks, rest, block)
         assert peaks["layer_by_layer"] < total, (peaks, total)
+        # ... or one, without prefetch.
+        assert peaks["one_layer_at_a_time"] <= rest + block + padding, (peaks, rest, block)
     else:
-        assert peaks == {"gathered": 0, "layer_by_layer": 0}, peaks
+        assert set(peaks.values()) == {0}, peaks
     engine.destroy()
     return peaks
 

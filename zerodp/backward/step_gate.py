@@ -105,15 +105,9 @@ class StepGate:
             )
         self.lifecycle.abort_if_stale()
 
-    def add_refusal(self, refuse: Callable[[str], str | None]) -> Callable[[], None]:
-        """Ask `refuse(what)` before every guarded call; returns what takes it away again."""
+    def add_refusal(self, refuse: Callable[[str], str | None]) -> None:
+        """Ask `refuse(what)` before every guarded call (for the engine's lifetime)."""
         self._refusals.append(refuse)
-
-        def take_away() -> None:
-            if refuse in self._refusals:
-                self._refusals.remove(refuse)
-
-        return take_away
 
     def refuse_if_blocked(self, what: str) -> None:
         """Raise `UsageError` if a refusal applies to `what` ("step()", "zero_grad()", ...)."""
