@@ -228,7 +228,7 @@ def offload_round_trip(stage: int, dtype: str) -> list[str]:
     return refusals
 
 
-@pytest.mark.parametrize(("stage", "dtype"), [(1, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize(("stage", "dtype"), [(0, "fp32"), (1, "fp32"), (3, "bf16")])
 def test_offload_round_trip_is_bitwise_and_training_continues(pools, stage, dtype) -> None:
     refusals = pools(2).run(offload_round_trip, stage, dtype)[0]
     assert len(refusals) == 5, refusals
