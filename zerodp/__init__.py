@@ -29,6 +29,7 @@ from zerodp.errors import (
     UsageError,
     ZeroDPError,
 )
+from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
 from zerodp.startup_checks import RankMismatchError
 
 __version__ = "0.1.0"
@@ -42,10 +43,13 @@ __all__ = [
     "ConfigError",
     "ConfigWarning",
     "DivergenceError",
+    "EngineMode",
     "GradientState",
     "LifecycleError",
     "LossScaleError",
     "NonFiniteError",
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
     "ParamStateError",
     "PeerFailedError",
     "RankMismatchError",
@@ -119,6 +123,8 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
+    if engine.mode is EngineMode.INFERENCE:  # no optimizer, no scheduler (as DeepSpeed)
+        return engine, None, engine.training_dataloader, None
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -12,7 +12,12 @@
 6. the reducer, the parameter runtime (stage 3, or its null object), the
    step gate and the autograd hooks connect them;
 7. the torch optimizer on the optimizer parameters, zerodp's optimizer
-   around it, the LR scheduler, the monitors and the data loader.
+   around it, the LR scheduler, the monitors and the data loader;
+8. the post-training parts (generation, weight streaming, state offload).
+
+An engine with nothing to train is an inference engine (see [Note: inference
+engine] in `zerodp.posttrain`): step 7 builds an optimizer over no parameters
+and no scheduler.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -65,12 +70,27 @@ from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
 from zerodp.partition import FlatGroup
 from zerodp.partition.builder import ModelLayout, build_layout
+from zerodp.posttrain import PostTraining, build_post_training
+from zerodp.posttrain.mode import (
+    FrozenByEngine,
+    InferenceOptimizer,
+    InferenceReason,
+    ModeDecision,
+    decide_mode,
+    refusal_message,
+)
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
 from zerodp.precision.inputs import install_input_cast
 from zerodp.torch_internals import replace_buffers
 from zerodp.train_state import TrainState
 
 ParamRuntime = ResidentParams | Stage3Runtime
+
+
+class Removable(Protocol):
+    """What the engine undoes at `destroy()`: hooks, frozen flags, offloaded states."""
+
+    def remove(self) -> None: ...
 
 
 @dataclass
@@ -94,10 +114,11 @@ class EngineParts:
     reporter: TrainingReporter
     eigenvalue: EigenvalueMonitor | None
     training_dataloader: ZeroDataLoader | None
-    handles: list[RemovableHandle]
+    handles: list[Removable]
     root_hooks: RootHooks
     offload: OffloadPolicy
     offload_storage: OffloadStorage | None
+    posttrain: PostTraining
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,8 @@ def assemble(
     strategy = strategy_for(zero.stage)
     policy = precision_policy(config)
     lifecycle = BackwardLifecycle()
+    decision = decide_mode(module, config.optimizer, user_optimizer)
+    frozen = [FrozenByEngine(module)] if decision.reason is InferenceReason.NO_OPTIMIZER else []
     specs = resolve_param_groups(module, model_parameters, user_optimizer)
 
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
@@ -184,13 +207,13 @@ def assemble(
     gate = StepGate(
         lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
     )
-    handles, root_hooks = _connect(
+    hook_handles, root_hooks = _connect(
         module, groups, lifecycle, reducer, params, gate, policy, callbacks
     )
     apply_compile(module, config.compile, zero.stage)
 
     train_state = TrainState()
-    inner = _torch_optimizer(groups, specs, user_optimizer, config, host_step=offload)
+    inner = _torch_optimizer(groups, specs, user_optimizer, config, offload, decision)
     optimizer = ZeroOptimizer(
         inner,
         reducer=reducer,
@@ -210,6 +233,17 @@ def assemble(
         ),
         device=device,
     )
+    posttrain = build_post_training(
+        module=module,
+        decision=decision,
+        runtime=params,
+        groups=groups,
+        optimizer=inner,
+        device=device,
+        gate=gate,
+    )
+    # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
+    handles: list[Removable] = [*hook_handles, *frozen, posttrain.offload]
     return EngineParts(
         comm=comm,
         device=device,
@@ -230,7 +264,9 @@ def assemble(
             optimizer=inner,
             loss_scale=lambda: optimizer.loss_scaler.scale,
         ),
-        lr_scheduler=_scheduler(lr_scheduler, config, inner, optimizer),
+        lr_scheduler=(
+            _scheduler(lr_scheduler, config, inner, optimizer) if decision.trains else None
+        ),
         reporter=TrainingReporter(
             Monitor.from_config(config.csv_monitor, config.tensorboard, rank=comm.rank),
             active=config.csv_monitor.enabled or config.tensorboard.enabled,
@@ -246,6 +282,7 @@ def assemble(
         root_hooks=root_hooks,
         offload=offload,
         offload_storage=storage,
+        posttrain=posttrain,
     )
 
 
@@ -393,8 +430,12 @@ def _torch_optimizer(
     user_optimizer: Any,
     config: ZeroDPConfig,
     host_step: OffloadPolicy,
+    decision: ModeDecision,
 ) -> torch.optim.Optimizer:
-    """The torch optimizer, on each trainable group's optimizer parameter."""
+    """The torch optimizer, on each trainable group's optimizer parameter (an inference
+    engine's has none)."""
+    if not decision.trains:
+        return InferenceOptimizer(refusal_message(decision, "optimizer.step()"))
     param_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
     for state in groups.trainable:
         if state.optim is not None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerodp import guards, managed
-from zerodp.assembly import EngineCallbacks, assemble
+from zerodp.assembly import EngineCallbacks, Removable, assemble
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
@@ -36,24 +36,19 @@ from zerodp.engine_compat import (
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
 from zerodp.monitor.events import NON_FINITE_STEPS
-from zerodp.monitor.memory import ModelStateBytes, model_state_bytes
+from zerodp.monitor.memory import ModelStateBytes, model_state_bytes, with_host_tensors
 from zerodp.monitor.training import BoundaryRecord
+from zerodp.posttrain.engine_methods import PostTrainingMethods
 from zerodp.startup_checks import check_ranks_agree
 
 logger = logging.getLogger("zerodp")
-
-
-class Removable(Protocol):
-    """What the engine undoes at `destroy()`: hooks, and the `model.zero_grad` route."""
-
-    def remove(self) -> None: ...
 
 
 # Keyword arguments of DeepSpeed's `engine.backward` that zerodp accepts beyond torch's own.
 _TORCH_BACKWARD_KWARGS = frozenset({"gradient", "create_graph", "inputs"})
 
 
-class ZeroEngine(DeepSpeedEngineMethods):
+class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods):
     """What `zerodp.initialize` returns: the model wrapped for ZeRO training.
 
     Call it like the model (`engine(batch)`), then `engine.backward(loss)` (or
@@ -115,6 +110,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         self.training_dataloader = parts.training_dataloader
         self.offload = parts.offload
         self._offload_storage = parts.offload_storage
+        self.posttrain = parts.posttrain
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         self._guard = guards.ModuleGuard(module)
@@ -169,6 +165,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         `retain_graph` is accepted for DeepSpeed's signature; zerodp needs no hint.
         """
         self.gate.ensure_no_stale_backward("engine.scale()")
+        self.gate.refuse_if_blocked("engine.scale()")
         check_loss(loss, "engine.scale()")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         factor = self.optimizer.loss_scaler.scale / gas
@@ -201,6 +198,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         estimate `step()` makes.
         """
         self.gate.ensure_no_stale_backward("engine.backward()")
+        self.gate.refuse_if_blocked("engine.backward()")
         unknown = sorted(set(kwargs) - _TORCH_BACKWARD_KWARGS - {"gradient"})
         if unknown or "gradient" in kwargs:
             raise UsageError(
@@ -452,7 +450,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
             loss_scaler=self.optimizer.loss_scaler,
             lr_scheduler=None if self.lr_scheduler is None else SchedulerState(self.lr_scheduler),
             dataloader=self.training_dataloader,
-            check_idle=lambda: self.gate.check_outside_backward("a checkpoint save or load"),
+            check_idle=lambda: self.gate.check_idle("a checkpoint save or load"),
             after_load=after_load,
             accumulation_steps=self.gradient_accumulation_steps(),
             local_accumulation=self.strategy.reduction.defer_to_boundary,
@@ -469,9 +467,11 @@ class ZeroEngine(DeepSpeedEngineMethods):
 
         Split into device and host: with offload, the optimizer copies and state of
         offloaded groups, their host gradient buffers and offloaded shards count as
-        host bytes (also on a CPU-only machine, where both are the same memory).
+        host bytes, and so does what `offload_states()` moved (also on a CPU-only
+        machine, where both are the same memory).
         """
-        return model_state_bytes(model_state_tensors(self.module, self.groups, self.optimizer))
+        tensors = model_state_tensors(self.module, self.groups, self.optimizer)
+        return model_state_bytes(with_host_tensors(tensors, self.posttrain.offload.on_host))
 
     def param_status(self, param: nn.Parameter) -> ParamStatus:
         """NOT_AVAILABLE, INFLIGHT or AVAILABLE (parameters zerodp does not shard: AVAILABLE)."""

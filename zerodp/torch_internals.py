@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 # Runs torch functions with `__torch_function__` subclass dispatch off, so that an operation
 # on a `ZeroParameter` returns plain tensors. The documented way to write a subclass's
@@ -127,3 +128,39 @@ def forward_raised() -> BaseException | None:
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__
+
+
+class DetachedHooks:
+    """Hooks taken out of their modules' hook dicts for a while, then put back where they were.
+
+    `RemovableHandle.remove()` is for good: registering the hook again would put it
+    last, after hooks the user registered since, and change their order. Here each
+    hook's entry is popped from the dict its handle points to (`hooks_dict_ref`,
+    `id`: not public) and re-inserted at its old place by `restore()`; hooks added
+    or removed meanwhile keep their own places. A module left with no hook at all
+    takes `nn.Module.__call__`'s fast path while they are out.
+    """
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        # Per dict: (the dict, its keys' order before, the entries taken out).
+        self._taken: list[tuple[dict[int, object], list[int], dict[int, object]]] = []
+        by_dict: dict[int, tuple[dict[int, object], list[RemovableHandle]]] = {}
+        for handle in handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                by_dict.setdefault(id(hooks), (hooks, []))[1].append(handle)
+        for hooks, owned in by_dict.values():
+            order = list(hooks)
+            self._taken.append((hooks, order, {h.id: hooks.pop(h.id) for h in owned}))
+
+    def restore(self) -> None:
+        for hooks, order, taken in self._taken:
+            current = dict(hooks)
+            hooks.clear()
+            for key in order:
+                if key in taken:
+                    hooks[key] = taken[key]
+                elif key in current:
+                    hooks[key] = current.pop(key)
+            hooks.update(current)  # registered while they were out: after the rest, as before
+        self._taken = []

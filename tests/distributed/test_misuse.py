@@ -148,8 +148,9 @@ BAD_CONFIGS = {
         {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
         "train_batch_size",
     ),
-    "no_optimizer": ({"train_micro_batch_size_per_gpu": 2}, "no optimizer"),
 }
+# A config without an optimizer is not an error: it builds an inference engine, whose
+# backward and step name the fix (tests/distributed/test_posttrain_generation.py).
 
 
 @pytest.mark.parametrize("name", list(BAD_CONFIGS))

@@ -16,7 +16,7 @@ import torch
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import BackwardLifecycle, GraphTask
 from zerodp.backward.reducer import GradientReducer
-from zerodp.errors import LifecycleError, NonFiniteError
+from zerodp.errors import LifecycleError, NonFiniteError, UsageError
 
 
 class GradientState(enum.Enum):
@@ -53,6 +53,9 @@ class StepGate:
         self._backward_since_step = False
         self._last_step_had_backward = False
         self._closed = False
+        # Asked before a step, a zero_grad or an engine.backward(): each returns why the
+        # call is refused now (an inference engine, states offloaded), or None.
+        self._refusals: list[Callable[[str], str | None]] = []
 
     # -- transitions, driven by the lifecycle --------------------------------------------
 
@@ -102,6 +105,22 @@ class StepGate:
             )
         self.lifecycle.abort_if_stale()
 
+    def add_refusal(self, refuse: Callable[[str], str | None]) -> None:
+        """Ask `refuse(what)` before every guarded call (for the engine's lifetime)."""
+        self._refusals.append(refuse)
+
+    def refuse_if_blocked(self, what: str) -> None:
+        """Raise `UsageError` if a refusal applies to `what` ("step()", "zero_grad()", ...)."""
+        for refuse in self._refusals:
+            message = refuse(what)
+            if message is not None:
+                raise UsageError(message)
+
+    def check_idle(self, what: str) -> None:
+        """Outside any backward, and not refused now (a checkpoint save or load)."""
+        self.check_outside_backward(what)
+        self.refuse_if_blocked(what)
+
     def check_outside_backward(self, what: str) -> None:
         self.ensure_no_stale_backward(what)
         if autograd_api.in_backward():
@@ -114,6 +133,7 @@ class StepGate:
         """Refuse a step that would repeat the last one; warn once about a step with no
         backward at all. Passing counts as the step (the caller takes it now)."""
         self.check_outside_backward("step()")
+        self.refuse_if_blocked("step()")
         if self.state is GradientState.INCOMPLETE:
             raise LifecycleError(
                 "a backward raised part-way, so the gradients are incomplete; call "
@@ -204,6 +224,7 @@ class StepGate:
     def zero_grad(self) -> None:
         """Zero the kept gradients; release what a forward kept gathered for its backward."""
         self.check_outside_backward("zero_grad()")
+        self.refuse_if_blocked("zero_grad()")
         self.reducer.zero()
         self.release_gathered()  # the backward it was kept for may never come
         self.state = GradientState.CLEAN

@@ -7,7 +7,7 @@ accounting fp32 master weights belong to the optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,21 @@ class ModelStateTensors:
     host_params: list[Any] = field(default_factory=list)
     host_grads: list[Any] = field(default_factory=list)
     host_optimizer: list[Any] = field(default_factory=list)
+
+
+def with_host_tensors(
+    tensors: ModelStateTensors, on_host: Callable[[Any], bool]
+) -> ModelStateTensors:
+    """The same tensors, with those `on_host` picks (moved by `engine.offload_states()`)
+    counted on the host side of their category."""
+
+    def split(device: list[Any], host: list[Any]) -> tuple[list[Any], list[Any]]:
+        return [t for t in device if not on_host(t)], host + [t for t in device if on_host(t)]
+
+    params, host_params = split(tensors.params, tensors.host_params)
+    grads, host_grads = split(tensors.grads, tensors.host_grads)
+    optimizer, host_optimizer = split(tensors.optimizer, tensors.host_optimizer)
+    return ModelStateTensors(params, grads, optimizer, host_params, host_grads, host_optimizer)
 
 
 def model_state_bytes(tensors: ModelStateTensors) -> ModelStateBytes:

@@ -322,6 +322,38 @@ class ParamCoordinator:
         state.sharded_gather.unhold()
         self._release(state)
 
+    def hold_all(self, states: list[GroupState]) -> None:
+        """Gather `states` with every gather in flight at once, then hold each.
+
+        Callers pass groups in the same order on every rank (group order), as they
+        would for `hold`; `unhold_all` undoes it.
+        """
+        for state in states:
+            gather = state.sharded_gather
+            if gather.status is ParamStatus.NOT_AVAILABLE:
+                self._issue(state, gather)
+        for state in states:
+            state.sharded_gather.to_available()
+            state.sharded_gather.hold()
+
+    def unhold_all(self, states: list[GroupState], release: bool = True) -> None:
+        """Drop one hold of each group; with `release`, release those nobody holds now."""
+        for state in states:
+            state.sharded_gather.unhold()
+            if release:
+                self._release(state)
+
+    def prefetch(self, state: GroupState) -> None:
+        """Start gathering `state` without waiting for it (`hold_all` waits)."""
+        gather = state.sharded_gather
+        if gather.status is ParamStatus.NOT_AVAILABLE:
+            self._issue(state, gather)
+            self.num_prefetched += 1
+
+    def release(self, state: GroupState) -> None:
+        """Release `state` unless someone holds it (a gather in flight is finished first)."""
+        self._release(state)
+
     def gather_all(self) -> None:
         """Gather every group (the engine is being torn down, parameters become whole)."""
         for state in self.states:

@@ -49,6 +49,11 @@ class ResidentParams:
     def sharded_states(self) -> list[GroupState]:
         return []
 
+    @property
+    def module_hooks(self) -> list[RemovableHandle]:
+        """No module needs a hook to gather at stages 0-2."""
+        return []
+
     def release_all(self) -> None:
         """Nothing is gathered on demand at stages 0-2."""
 
@@ -119,10 +124,11 @@ class Stage3Runtime:
             if reducer is not None:
                 reducer.order = self.order
         self.saved_tensors = SavedTensorGatherer(self.coordinator, lifecycle)
-        self._handles: list[RemovableHandle] = Stage3ModuleHooks(
+        # Kept apart: `gathered_for_generation()` takes them out for a while (see posttrain).
+        self.module_hooks: list[RemovableHandle] = Stage3ModuleHooks(
             root, self.coordinator, lifecycle, self.saved_tensors
         ).install()
-        self._handles += [
+        self._handles: list[RemovableHandle] = [
             lifecycle.on_prologue(lambda task: self.coordinator.begin_backward()),
             lifecycle.on_epilogue(lambda task: self.coordinator.end_backward()),
             lifecycle.on_abort(lambda task: self.coordinator.abort()),
@@ -174,9 +180,9 @@ class Stage3Runtime:
         """
         if self.order is not None:
             self.order.raise_if_failed()
-        for handle in self._handles:
+        for handle in self._handles + self.module_hooks:
             handle.remove()
-        self._handles = []
+        self._handles, self.module_hooks = [], []
         self.coordinator.abort()
         self.coordinator.gather_all()
         for state in self.sharded_states:
