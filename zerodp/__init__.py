@@ -12,6 +12,7 @@ from zerodp.comm import current_rank, current_world_size, ensure_process_group, 
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.config.hints import hints_from_arguments
 from zerodp.engine import ZeroEngine
+from zerodp.engine.startup_checks import RankMismatchError
 from zerodp.errors import (
     AgreedError,
     CheckpointError,
@@ -30,7 +31,6 @@ from zerodp.errors import (
     ZeroDPError,
 )
 from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
-from zerodp.startup_checks import RankMismatchError
 
 __version__ = "0.1.0"
 

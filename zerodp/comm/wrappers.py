@@ -1,7 +1,7 @@
 """Recognising the data-parallel wrappers of torch.distributed (DDP, FSDP, FSDP2).
 
 A model zerodp manages must not also be wrapped by one of them: both would
-reduce (or shard) the same gradients. `zerodp.guards` uses these to refuse it
+reduce (or shard) the same gradients. `zerodp.engine.guards` uses these to refuse it
 with a message naming what to do instead.
 """
 

@@ -1,7 +1,7 @@
 """The engine's post-training methods, each a thin view of `zerodp.posttrain`'s parts.
 
 `ZeroEngine` inherits these, as it inherits DeepSpeed's other methods from
-`zerodp.engine_compat`, so that `engine.py` stays the facade of the training loop.
+`zerodp.engine.deepspeed_methods`, so that `engine/facade.py` stays the facade of the training loop.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine users hold: a facade over the parts `zerodp.assembly` builds.
+"""The engine users hold: a facade over the parts `zerodp.engine.assembly` builds.
 
 It owns no collective, layout or stage logic: the stage strategy decides,
 `partition` lays out, `backward` reduces, `params` gathers (stage 3, or a null
@@ -17,29 +17,29 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp import guards, managed
-from zerodp.assembly import EngineCallbacks, Removable, assemble
+from zerodp import managed
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
-from zerodp.checkpoint import CheckpointSubject, load_checkpoint, save_checkpoint
-from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
-from zerodp.engine_compat import (
+from zerodp.engine import guards
+from zerodp.engine.assembly import EngineCallbacks, Removable, assemble
+from zerodp.engine.checkpointing import CheckpointMethods
+from zerodp.engine.deepspeed_methods import (
     DeepSpeedEngineMethods,
     ZeroGradRoute,
     check_loss,
     model_state_tensors,
 )
+from zerodp.engine.startup_checks import check_ranks_agree
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
 from zerodp.monitor.events import NON_FINITE_STEPS
 from zerodp.monitor.memory import ModelStateBytes, model_state_bytes, with_host_tensors
 from zerodp.monitor.training import BoundaryRecord
 from zerodp.posttrain.engine_methods import PostTrainingMethods
-from zerodp.startup_checks import check_ranks_agree
 
 logger = logging.getLogger("zerodp")
 
@@ -48,7 +48,7 @@ logger = logging.getLogger("zerodp")
 _TORCH_BACKWARD_KWARGS = frozenset({"gradient", "create_graph", "inputs"})
 
 
-class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods):
+class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods):
     """What `zerodp.initialize` returns: the model wrapped for ZeRO training.
 
     Call it like the model (`engine(batch)`), then `engine.backward(loss)` (or
@@ -389,76 +389,6 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods):
         """Put the model in evaluation mode (as `nn.Module.eval`)."""
         self.module.eval()
         return self
-
-    # -- checkpoints -----------------------------------------------------------------
-
-    def save_checkpoint(
-        self, save_dir: Any, tag: str | None = None, client_state: Any = None
-    ) -> str:
-        """Save everything needed to resume, sharded, with torch.distributed.checkpoint.
-
-        A collective: every rank calls it. Written under a temporary name and made
-        visible (renamed, then `latest` updated) only once every rank has finished.
-        Returns the checkpoint's path. See zerodp.checkpoint for the format.
-        """
-        return str(save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state))
-
-    def load_checkpoint(
-        self,
-        load_dir: Any,
-        tag: str | None = None,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-        *,
-        verify_checksums: bool = True,
-    ) -> tuple[str | None, Any]:
-        """Load a checkpoint saved at any stage and world size; returns (path, client_state).
-
-        Everything is checked (on every rank, agreed) before anything is changed,
-        including every file's checksum (`verify_checksums=False` skips that, for
-        trusted storage). With no tag and no `latest` file in `load_dir` (nothing
-        saved yet), nothing is loaded and (None, None) is returned, as in DeepSpeed.
-        """
-        result = load_checkpoint(
-            self._checkpoint_subject(),
-            load_dir,
-            tag=tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-            verify_checksums=verify_checksums,
-        )
-        self.gate.on_load()
-        return result
-
-    def _checkpoint_subject(self) -> CheckpointSubject:
-        def after_load() -> None:
-            self.optimizer.place_offloaded_state()
-            self.optimizer.sync_params_from_owned()
-            self.zero_grad()
-
-        return CheckpointSubject(
-            comm=self.comm,
-            module=self.module,
-            groups=self.groups,
-            optimizer=self.optimizer.inner,
-            zero_stage=self.zero_stage,
-            param_dtype=self.precision.param_dtype,
-            counters=self.train_state,
-            optimizer_settings=OptimizerSettings(self.optimizer.inner),
-            loss_scaler=self.optimizer.loss_scaler,
-            lr_scheduler=None if self.lr_scheduler is None else SchedulerState(self.lr_scheduler),
-            dataloader=self.training_dataloader,
-            check_idle=lambda: self.gate.check_idle("a checkpoint save or load"),
-            after_load=after_load,
-            accumulation_steps=self.gradient_accumulation_steps(),
-            local_accumulation=self.strategy.reduction.defer_to_boundary,
-            loss_scale=lambda: self.optimizer.loss_scaler.scale,
-            gradients_held=self.gate.gradients_held,
-            gradients_loaded=self.gate.on_gradients_loaded,
-            before_save=self.optimizer.adopt_replaced_params,
-        )
 
     # -- inspection --------------------------------------------------------------------
 

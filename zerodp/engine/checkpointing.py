@@ -1,0 +1,109 @@
+"""The engine's checkpoint methods: `save_checkpoint` and `load_checkpoint` on a
+`CheckpointSubject`, the narrow view of the engine that `zerodp.checkpoint` sees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from zerodp.backward.step_gate import StepGate
+from zerodp.checkpoint import CheckpointSubject, load_checkpoint, save_checkpoint
+from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
+from zerodp.comm import Comm
+from zerodp.config import ZeroDPConfig
+from zerodp.data import ZeroDataLoader
+from zerodp.group import GroupIndex
+from zerodp.optim.sharded_optimizer import ZeroOptimizer
+from zerodp.optim.strategy import StageStrategy
+from zerodp.precision import PrecisionPolicy
+from zerodp.train_state import TrainState
+
+
+class CheckpointMethods:
+    """DeepSpeed's checkpoint calls, delegating to `zerodp.checkpoint`."""
+
+    # Provided by ZeroEngine.
+    comm: Comm
+    module: nn.Module
+    groups: GroupIndex
+    optimizer: ZeroOptimizer
+    strategy: StageStrategy
+    precision: PrecisionPolicy
+    train_state: TrainState
+    lr_scheduler: Any
+    training_dataloader: ZeroDataLoader | None
+    gate: StepGate
+
+    config: ZeroDPConfig
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError  # ZeroEngine's
+
+    def save_checkpoint(
+        self, save_dir: Any, tag: str | None = None, client_state: Any = None
+    ) -> str:
+        """Save everything needed to resume, sharded, with torch.distributed.checkpoint.
+
+        A collective: every rank calls it. Written under a temporary name and made
+        visible (renamed, then `latest` updated) only once every rank has finished.
+        Returns the checkpoint's path. See zerodp.checkpoint for the format.
+        """
+        return str(save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state))
+
+    def load_checkpoint(
+        self,
+        load_dir: Any,
+        tag: str | None = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        *,
+        verify_checksums: bool = True,
+    ) -> tuple[str | None, Any]:
+        """Load a checkpoint saved at any stage and world size; returns (path, client_state).
+
+        Everything is checked (on every rank, agreed) before anything is changed,
+        including every file's checksum (`verify_checksums=False` skips that, for
+        trusted storage). With no tag and no `latest` file in `load_dir` (nothing
+        saved yet), nothing is loaded and (None, None) is returned, as in DeepSpeed.
+        """
+        result = load_checkpoint(
+            self._checkpoint_subject(),
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            verify_checksums=verify_checksums,
+        )
+        self.gate.on_load()
+        return result
+
+    def _checkpoint_subject(self) -> CheckpointSubject:
+        def after_load() -> None:
+            self.optimizer.place_offloaded_state()
+            self.optimizer.sync_params_from_owned()
+            self.zero_grad()
+
+        return CheckpointSubject(
+            comm=self.comm,
+            module=self.module,
+            groups=self.groups,
+            optimizer=self.optimizer.inner,
+            zero_stage=self.strategy.stage,
+            param_dtype=self.precision.param_dtype,
+            counters=self.train_state,
+            optimizer_settings=OptimizerSettings(self.optimizer.inner),
+            loss_scaler=self.optimizer.loss_scaler,
+            lr_scheduler=None if self.lr_scheduler is None else SchedulerState(self.lr_scheduler),
+            dataloader=self.training_dataloader,
+            check_idle=lambda: self.gate.check_idle("a checkpoint save or load"),
+            after_load=after_load,
+            accumulation_steps=self.config.batch_sizes.gradient_accumulation_steps,
+            local_accumulation=self.strategy.reduction.defer_to_boundary,
+            loss_scale=lambda: self.optimizer.loss_scaler.scale,
+            gradients_held=self.gate.gradients_held,
+            gradients_loaded=self.gate.on_gradients_loaded,
+            before_save=self.optimizer.adopt_replaced_params,
+        )
