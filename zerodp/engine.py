@@ -22,7 +22,7 @@ from zerodp.assembly import EngineCallbacks, assemble
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
-from zerodp.checkpoint import CheckpointSubject, load_checkpoint, save_checkpoint
+from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
@@ -80,6 +80,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
         self._destroyed = False
         self._boundary_override: bool | None = None
         self._no_sync_depth = 0
+        self.last_load_report: LoadReport | None = None  # what the last load_checkpoint restored
         parts = assemble(
             module,
             config,
@@ -415,14 +416,15 @@ class ZeroEngine(DeepSpeedEngineMethods):
         *,
         verify_checksums: bool = True,
     ) -> tuple[str | None, Any]:
-        """Load a checkpoint saved at any stage and world size; returns (path, client_state).
+        """Load a zerodp or DeepSpeed ZeRO checkpoint saved at any stage and world size.
 
-        Everything is checked (on every rank, agreed) before anything is changed,
-        including every file's checksum (`verify_checksums=False` skips that, for
-        trusted storage). With no tag and no `latest` file in `load_dir` (nothing
-        saved yet), nothing is loaded and (None, None) is returned, as in DeepSpeed.
+        Returns (path, client_state). Everything is checked (on every rank, agreed)
+        before anything is changed, including every file's checksum (`verify_checksums=
+        False` skips that, for trusted storage). With no tag and no `latest` file in
+        `load_dir`, nothing is loaded and (None, None) is returned, as in DeepSpeed.
+        What was restored and what not is logged and kept in `last_load_report`.
         """
-        result = load_checkpoint(
+        path, client, self.last_load_report = load_any_checkpoint(
             self._checkpoint_subject(),
             load_dir,
             tag=tag,
@@ -432,7 +434,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
             verify_checksums=verify_checksums,
         )
         self.gate.on_load()
-        return result
+        return path, client
 
     def _checkpoint_subject(self) -> CheckpointSubject:
         def after_load() -> None:
@@ -465,12 +467,9 @@ class ZeroEngine(DeepSpeedEngineMethods):
     # -- inspection --------------------------------------------------------------------
 
     def model_state_bytes(self) -> ModelStateBytes:
-        """Bytes this rank holds in parameters, gradients and optimizer state.
-
-        Split into device and host: with offload, the optimizer copies and state of
-        offloaded groups, their host gradient buffers and offloaded shards count as
-        host bytes (also on a CPU-only machine, where both are the same memory).
-        """
+        """Bytes this rank holds in parameters, gradients and optimizer state, on device and
+        host (offloaded copies, state, gradients and shards count as host bytes, also on a
+        CPU-only machine, where both are the same memory)."""
         return model_state_bytes(model_state_tensors(self.module, self.groups, self.optimizer))
 
     def param_status(self, param: nn.Parameter) -> ParamStatus:
