@@ -115,6 +115,10 @@ def config(stage: int, precision: str, world_size: int) -> dict[str, Any]:
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+        if stage == 1:
+            # fp32 gradient accumulation makes DeepSpeed use its BF16_Optimizer at stage 1,
+            # whose files lay the partitions out differently (padded) from the ZeRO optimizer's.
+            cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     elif precision == "fp16":
         # A short window, so that the loss scale doubles inside the recorded continuation.
         cfg["fp16"] = {

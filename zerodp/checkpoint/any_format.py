@@ -60,5 +60,18 @@ def load_any_checkpoint(
     )
     if path is None:
         return None, None, None
-    report = LoadReport(f"zerodp checkpoint '{path}'", ["everything the load was asked for"])
+    report = LoadReport(f"zerodp checkpoint '{path}'", ["model weights (fp32 masters)"])
+    if load_module_only:
+        report.not_restored.append("everything but the weights (load_module_only=True)")
+        return path, client, report
+    if load_optimizer_states:
+        report.restored.append("optimizer state and settings, loss scaler")
+    else:
+        report.not_restored.append("optimizer state (load_optimizer_states=False)")
+    if not load_lr_scheduler_states:
+        report.not_restored.append("LR scheduler (load_lr_scheduler_states=False)")
+    report.restored.append(
+        "counters, LR scheduler, random generators, data-loader position, kept gradients, "
+        "client_state, as saved"
+    )
     return path, client, report

@@ -97,6 +97,7 @@ def plan_training_state(
     if with_optimizer:
         _plan_hyperparameters(subject, optimizer, group_names, plan)
         _plan_loss_scaler(subject, optimizer, plan)
+        _compare_weight_decay(subject, model, plan)
     if model.data_sampler is not None:
         plan.not_restored.append("DeepSpeed's curriculum data sampler (zerodp has none)")
     plan.not_restored.append("random generator states (DeepSpeed does not save them)")
@@ -184,6 +185,32 @@ def _plan_hyperparameters(
     )
 
 
+def _compare_weight_decay(
+    subject: CheckpointSubject, model: ModelStates, plan: TrainingState
+) -> None:
+    """DeepSpeed's "Adam" decouples weight decay unless `adam_w_mode` is false; say so when
+    this engine's Adam does otherwise (its moments load, but its steps would differ)."""
+    block = model.ds_config.get("optimizer")
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        return
+    params = block.get("params")
+    params = params if isinstance(params, dict) else {}
+    kind = block["type"].lower()
+    deepspeed_decoupled = kind == "adamw" or bool(params.get("adam_w_mode", True))
+    optimizer = subject.optimizer
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+        g.get("decoupled_weight_decay") for g in optimizer.param_groups
+    )
+    decays = any(g.get("weight_decay", 0) for g in optimizer.param_groups)
+    if decays and decoupled != deepspeed_decoupled:
+        plan.not_restored.append(
+            f"the optimizer's kind: the DeepSpeed run's {block['type']} "
+            f"{'decoupled' if deepspeed_decoupled else 'added'} weight decay, this engine's "
+            f"{type(optimizer).__name__} {'decouples' if decoupled else 'adds'} it, so the "
+            "continuation differs; configure the same kind"
+        )
+
+
 def _differs(a: Any, b: Any) -> bool:
     if isinstance(b, torch.Tensor):
         b = b.tolist()
@@ -206,6 +233,9 @@ def _plan_loss_scaler(
         return
     scale = saved.get("cur_scale")
     dynamic = isinstance(saved, DynamicLossScalerRecord)
+    if uses_scaling and not dynamic and scale in (1, 1.0):
+        plan.not_restored.append("loss scale (the DeepSpeed run did not scale losses)")
+        return
     if not uses_scaling:
         if dynamic or scale not in (None, 1, 1.0):
             plan.not_restored.append(

@@ -29,6 +29,7 @@ import torch
 
 from zerodp.errors import CheckpointError
 
+_RECORD = "DeepSpeed record:"  # how a record's own refusals start
 # Plain values a DeepSpeed record may hold (its fields are numbers, flags and dtypes).
 _FIELD_TYPES = (bool, int, float, str, type(None), torch.dtype)
 
@@ -52,12 +53,13 @@ class DeepSpeedRecord:
         if isinstance(state, tuple) and len(state) == 2 and state[0] is None:
             state = state[1]  # (None, slots): the pickle of an object with __slots__
         if not isinstance(state, dict):
-            raise pickle.UnpicklingError(f"a {self.kind} whose fields are not a dict")
+            raise pickle.UnpicklingError(f"{_RECORD} a {self.kind} whose fields are not a dict")
         fields = {}
         for key, value in state.items():
             if not isinstance(key, str) or not isinstance(value, _FIELD_TYPES):
                 raise pickle.UnpicklingError(
-                    f"a {self.kind} field {key!r} holds a {type(value).__name__}, not a plain value"
+                    f"{_RECORD} {self.kind} field {key!r} holds a {type(value).__name__}, not a "
+                    "plain value"
                 )
             fields[key] = value
         self.fields = fields
@@ -86,7 +88,7 @@ class ZeroStage(int):
 
     def __new__(cls, value: Any) -> ZeroStage:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 3:
-            raise pickle.UnpicklingError(f"a ZeRO stage of {value!r}")
+            raise pickle.UnpicklingError(f"{_RECORD} a ZeRO stage of {value!r}")
         return super().__new__(cls, value)
 
 
@@ -126,7 +128,14 @@ def read_pickle(path: Path) -> Any:
 
 
 def _refused(path: Path, error: pickle.UnpicklingError) -> CheckpointError:
-    found = _GLOBAL.search(str(error))
+    text = str(error)
+    if _RECORD in text:
+        detail = text[text.index(_RECORD) + len(_RECORD) :].strip().splitlines()[0]
+        return CheckpointError(
+            f"'{path}' was refused: {detail}; zerodp keeps only plain values of DeepSpeed's own "
+            "objects, and this one is damaged or was tampered with"
+        )
+    found = _GLOBAL.search(text)
     what = f"'{found.group(1)}'" if found else "an object zerodp does not read"
     return CheckpointError(
         f"'{path}' was refused: it asks to build {what}, and zerodp reads DeepSpeed "
