@@ -6,13 +6,14 @@ collective: the files and their structure, the model (names and shapes),
 the optimizer (Adam state, the same param groups), the scheduler and the
 loss scaler. Then each rank copies the parts of the fp32 masters and Adam
 moments it owns straight from the DeepSpeed files that hold them (memory-
-mapped, one file at a time, so no rank holds more than its own share plus
-the pages it reads), the engine refreshes its model from the masters, and
-the counters, scheduler, loss scaler and optimizer settings follow.
+mapped: only the pages a rank copies from are read), the engine refreshes
+its model from the masters, and the counters, scheduler, loss scaler and
+optimizer settings follow.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from zerodp.checkpoint.deepspeed import targets, training_state
@@ -57,35 +58,26 @@ def load_deepspeed_checkpoint(
         )
     comm.raise_if_any_failed(error)
     subject.after_load()
-    if with_optimizer:
-        targets.write_steps(subject, plan.params)
     plan.state.apply(subject)
     plan.report.announce(comm.rank)
     return str(files.folder), plan.model.client_state, plan.report
 
 
+@dataclass
 class _Plan:
     """Everything checked and planned; `read_tensors` is the first step that changes state."""
 
-    def __init__(
-        self,
-        model: ModelStates,
-        source: Source,
-        params: targets.ParamTargets,
-        state: training_state.TrainingState,
-        report: LoadReport,
-        models_of_ranks: list[ModelStates],
-    ) -> None:
-        self.model = model
-        self.source = source
-        self.params = params
-        self.state = state
-        self.report = report
-        self.models_of_ranks = models_of_ranks
+    model: ModelStates
+    source: Source
+    params: targets.ParamTargets
+    state: training_state.TrainingState
+    report: LoadReport
+    models_of_ranks: list[ModelStates]
 
     def read_tensors(self, subject: CheckpointSubject) -> None:
         self.params.attach(subject.optimizer)
         self.source.fill(self.params.wanted)
+        targets.write_steps(subject, self.params)
         for whole in self.params.whole:
             if whole.wanted is not None:
                 whole.write(whole.wanted.targets["fp32"].reshape(whole.shape))

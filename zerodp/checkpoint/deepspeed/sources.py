@@ -157,6 +157,7 @@ class ZeroSource:
             steps={
                 name: step_of(first.states[self.layout.group_of(name)], f"'{first.path}'")
                 for name in self.layout.names
+                if "step" in first.states[self.layout.group_of(name)]
             },
             group_members=_members(model, first.param_groups, f"'{first.path}'"),
         )
@@ -231,23 +232,22 @@ class UniversalSource:
         self.optimizer = SharedOptimizerState(
             param_groups=groups,
             loss_scaler=scaler if isinstance(scaler, DeepSpeedRecord) else None,
-            steps={name: self._step(name) for name in self._names},
+            steps={n: s for n in self._names if (s := self._step(n)) is not None},
             group_members=_members(model, groups, f"'{self.folder / UNIVERSAL_OPTIMIZER}'"),
         )
 
-    def _step(self, name: str) -> int:
+    def _step(self, name: str) -> int | None:
+        """The parameter's step: its step.pt, or (stage 3 sources) its flat group's state."""
         path = self.folder / name / "step.pt"
         if path.is_file():
             return step_of({"step": read_pickle(path)}, f"'{path}'")
-        # Stage 3 sources keep the step in the shared optimizer state, per flat group.
         inner = self._common.get("optimizer_state_dict")
         state = inner.get("state") if isinstance(inner, dict) else None
         group = next(i for i, g in enumerate(self._model.flat_groups) if name in g)
         if not isinstance(state, dict) or not isinstance(state.get(group), dict):
-            raise CheckpointError(
-                f"'{self.folder}' has no step count for '{name}' (no {path.name}, no optimizer "
-                "state of its group); the universal checkpoint is incomplete"
-            )
+            return None
+        if "step" not in state[group]:
+            return None
         return step_of(state[group], f"'{self.folder / UNIVERSAL_OPTIMIZER}'")
 
     def _value(self, name: str, key: str) -> torch.Tensor:

@@ -213,7 +213,14 @@ def plan_steps(subject: CheckpointSubject, plan: ParamTargets, steps: dict[str, 
     for state in subject.groups.trainable:
         if state.optim is None:
             continue
-        seen = {steps[plan.names[n]] for n in state.names if plan.names.get(n) in steps}
+        names = [plan.names[n] for n in state.names if n in plan.names]
+        missing = [n for n in names if n not in steps]
+        if missing:
+            raise CheckpointError(
+                f"the DeepSpeed checkpoint has no Adam step count for {missing[:4]}: its "
+                "optimizer was not Adam; pass load_optimizer_states=False to load the weights"
+            )
+        seen = {steps[n] for n in names}
         if len(seen) > 1:
             raise CheckpointError(
                 f"the parameters {state.names[:4]} share one optimizer group here but had "
