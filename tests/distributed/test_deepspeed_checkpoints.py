@@ -181,6 +181,10 @@ def test_deepspeed_checkpoints_continue_exactly(pools, world_size: int) -> None:
         # At the load: DeepSpeed's values, element for element.
         assert result["at_load"] == {"fp32": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, where
         assert result["weights_differ"] == [], where
+        report = result["report"]
+        assert "Adam moments (exp_avg, exp_avg_sq) and step counts" in report, report
+        assert "LR scheduler: last_batch_iteration 2" in report, report
+        assert "random generator states (DeepSpeed does not save them)" in report, report
         bound = (
             dict.fromkeys(("fp32", "exp_avg", "exp_avg_sq", "loss"), FP32_BOUND)
             if precision == "fp32"
