@@ -6,6 +6,8 @@ header needs is known before any value is: so the header is written first
 and each tensor's bytes are appended as it arrives, and the writer never
 holds more than the tensor it is given. Files are written under a temporary
 name and renamed when complete, so a reader never sees a half-written file.
+`plan_files` and `write_index` give a directory Hugging Face's layout
+(`model.safetensors`, or numbered shards and `model.safetensors.index.json`).
 """
 
 from __future__ import annotations
@@ -116,3 +118,43 @@ class SafetensorsStreamWriter:
             self._temp.unlink(missing_ok=True)
             return
         os.replace(self._temp, self.path)
+
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def plan_files(
+    path: Path, entries: list[TensorEntry], max_shard_bytes: int | None
+) -> list[tuple[Path, list[TensorEntry]]]:
+    """Which file each entry goes to: `path` itself when it ends in `.safetensors`, else
+    Hugging Face's layout in directory `path`, shards of at most `max_shard_bytes`."""
+    if path.suffix == ".safetensors":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return [(path, entries)]
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if max_shard_bytes is not None and shards[-1] and size + entry.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    if len(shards) == 1:
+        return [(path / SINGLE_FILE, shards[0])]
+    count = len(shards)
+    return [
+        (path / f"model-{i + 1:05d}-of-{count:05d}.safetensors", shard)
+        for i, shard in enumerate(shards)
+    ]
+
+
+def write_index(path: Path, files: list[tuple[Path, list[TensorEntry]]]) -> None:
+    """Hugging Face's `model.safetensors.index.json` for sharded `files` (none for one file)."""
+    if len(files) < 2:
+        return
+    weight_map = {e.name: f.name for f, file_entries in files for e in file_entries}
+    total = sum(e.nbytes for _, file_entries in files for e in file_entries)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))

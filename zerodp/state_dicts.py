@@ -31,7 +31,12 @@ from zerodp.gathered import GatheredParameters
 from zerodp.group import GroupState
 from zerodp.managed import manager_of, manager_of_module
 from zerodp.params import zero_parameter
-from zerodp.safetensors_stream import SafetensorsStreamWriter, TensorEntry
+from zerodp.safetensors_stream import (
+    SafetensorsStreamWriter,
+    TensorEntry,
+    plan_files,
+    write_index,
+)
 
 
 def full_state_dict(
@@ -68,9 +73,6 @@ def full_state_dict(
 
 # -- saving, streamed ----------------------------------------------------------------------
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
 
 def save_state_dict(
     module: nn.Module,
@@ -104,7 +106,7 @@ def save_state_dict(
         return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
     entries = [TensorEntry(k, out_dtype(t), tuple(t.shape)) for k, t in targets]
-    files = _plan_files(Path(path), entries, max_shard_bytes)
+    files = plan_files(Path(path), entries, max_shard_bytes)
     position = 0
     held: GatheredParameters | None = None
     held_state: GroupState | None = None
@@ -131,11 +133,8 @@ def save_state_dict(
         if held is not None:
             done, held = held, None
             done.__exit__(None, None, None)
-    if writes and len(files) > 1:
-        weight_map = {e.name: f.name for f, file_entries in files for e in file_entries}
-        total = sum(e.nbytes for e in entries)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (Path(path) / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if writes:
+        write_index(Path(path), files)
     if is_initialized():
         Comm().barrier()  # the files are complete when any rank returns
     return [f for f, _ in files]
@@ -143,30 +142,6 @@ def save_state_dict(
 
 def _rank() -> int:
     return current_rank() if is_initialized() else 0
-
-
-def _plan_files(
-    path: Path, entries: list[TensorEntry], max_shard_bytes: int | None
-) -> list[tuple[Path, list[TensorEntry]]]:
-    if path.suffix == ".safetensors":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return [(path, entries)]
-    path.mkdir(parents=True, exist_ok=True)
-    shards: list[list[TensorEntry]] = [[]]
-    size = 0
-    for entry in entries:
-        if max_shard_bytes is not None and shards[-1] and size + entry.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry.nbytes
-    if len(shards) == 1:
-        return [(path / SINGLE_FILE, shards[0])]
-    count = len(shards)
-    return [
-        (path / f"model-{i + 1:05d}-of-{count:05d}.safetensors", shard)
-        for i, shard in enumerate(shards)
-    ]
 
 
 # -- loading -------------------------------------------------------------------------------

@@ -34,15 +34,17 @@ def _rows(path: Path) -> list[tuple[int, float]]:
         return [(int(step), float(value)) for step, value in reader]
 
 
-# WarmupLR with DeepSpeed's defaults (warmup_min_lr 0, warmup_max_lr 0.001, "log") over 4 steps.
-WARMUP_STEPS, WARMUP_MAX_LR = 4, 1e-3
+# WarmupLR with DeepSpeed's defaults (warmup_min_lr 0, the peak is the optimizer's lr, "log")
+# over 4 steps.
+WARMUP_STEPS, WARMUP_MAX_LR = 4, 1e-2
 
 
-def warmup_lr(t: int) -> float:
-    """The closed form: the lr after `t` scheduler steps (t = 0 right after construction)."""
+def warmup_lr(k: int) -> float:
+    """The closed form: the lr after `k` scheduler steps, DeepSpeed's lr(t = k - 1)."""
+    t = k - 1
     if t >= WARMUP_STEPS:
         return WARMUP_MAX_LR
-    return WARMUP_MAX_LR * math.log(t + 1) / math.log(WARMUP_STEPS)
+    return WARMUP_MAX_LR * math.log(t + 1) / math.log(WARMUP_STEPS) if t > 0 else 0.0
 
 
 def train_with_csv_monitor(directory: str) -> dict:
@@ -122,7 +124,7 @@ def test_csv_monitor_files_hold_the_boundary_values(pools, tmp_path) -> None:
     lr_rows = _rows(job / "Train_Samples_lr.csv")
     assert [v for _, v in lr_rows] == pytest.approx([v for _, v in expected["lr"]])
     assert [s for s, _ in lr_rows] == boundaries
-    # WarmupLR's closed form, computed here: 0.001 * log(t + 1) / log(4) after t steps.
+    # WarmupLR's closed form, computed here: 0.01 * log(k) / log(4) after k steps.
     for rank in per_rank:
         assert [s for s, _ in rank["lr_closed_form"]] == boundaries
         assert [v for _, v in lr_rows] == pytest.approx(

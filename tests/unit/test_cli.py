@@ -94,7 +94,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_lists_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for command in ("run", "env", "consolidate"):
+    for command in ("run", "env", "consolidate", "convert"):
         assert command in out
 
 
@@ -117,6 +117,17 @@ def test_consolidate_without_implementation_or_bad_dir_fails_cleanly(
     assert status in {1, 2}
     assert "zerodp consolidate: error:" in capsys.readouterr().err
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_convert_of_a_directory_without_a_deepspeed_checkpoint_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["convert", "deepspeed", str(tmp_path), str(tmp_path / "out")])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert f"zerodp convert: error: '{tmp_path}' holds no DeepSpeed checkpoint" in err
+    assert not (tmp_path / "out").exists()
+    assert main(["convert", "megatron", str(tmp_path), str(tmp_path / "out")]) == 2
 
 
 # --- zerodp run: argument handling --------------------------------------------------------

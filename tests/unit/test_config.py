@@ -503,7 +503,7 @@ def test_scheduler_params_defaults_filled() -> None:
     sched = SchedulerConfig.from_dict({"type": "WarmupLR"})
     assert sched.params == {
         "warmup_min_lr": 0.0,
-        "warmup_max_lr": 0.001,
+        "warmup_max_lr": None,  # DeepSpeed's WarmupLR: each param group's own lr
         "warmup_num_steps": 1000,
         "warmup_type": "log",
         "last_batch_iteration": -1,

@@ -1,10 +1,19 @@
-"""zerodp.optim.schedulers against closed forms written out independently here."""
+"""zerodp.optim.schedulers against DeepSpeed's own values and closed forms written out here.
+
+DeepSpeed 0.19.8's values were recorded by tools/make_deepspeed_fixtures.py
+(tests/data/deepspeed_checkpoints/schedules.json): the lr of each param group
+at optimizer steps 1..25, as DeepSpeed's engine sets them (optimizer step,
+then scheduler step). The closed forms use DeepSpeed's step count t: the
+optimizer step k (from 1) uses lr(t = k - 2), and t = -1 is the start.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,8 +32,11 @@ def make_optimizer(lr: float = 0.1, groups: int = 1) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
+SCHEDULES = Path(__file__).resolve().parents[1] / "data/deepspeed_checkpoints/schedules.json"
+
+
 def lrs_over(scheduler: LRScheduler, steps: int) -> list[list[float]]:
-    """The lrs in effect at t = 0 .. steps - 1, stepping the optimizer first as torch expects."""
+    """The lrs optimizer steps 1..steps use (t = -1 .. steps - 2), stepping as torch expects."""
     out = []
     for _ in range(steps):
         out.append([float(lr) for lr in scheduler.get_last_lr()])
@@ -34,11 +46,14 @@ def lrs_over(scheduler: LRScheduler, steps: int) -> list[list[float]]:
 
 
 def warmup(t: int, n: int, kind: str) -> float:
+    n = max(2, n)  # DeepSpeed counts a shorter warmup as 2 steps
+    if t < 0:
+        return 0.0
     if t >= n:
         return 1.0
     if kind == "linear":
         return t / n
-    return 1.0 if n == 1 else math.log(t + 1) / math.log(n)
+    return math.log(t + 1) / math.log(n)
 
 
 def expected_warmup_lr(t: int, lo: float, hi: float, n: int, kind: str) -> float:
@@ -46,16 +61,20 @@ def expected_warmup_lr(t: int, lo: float, hi: float, n: int, kind: str) -> float
 
 
 def expected_decay_lr(t: int, *, lo: float, hi: float, n: int, total: int, kind: str) -> float:
-    gamma = warmup(t, n, kind) if t < n else max(0.0, (total - t) / (total - n))
+    n = max(2, n)
+    gamma = warmup(t, n, kind) if t < n else max(0.0, (total - t) / max(1, total - n))
     return lo + (hi - lo) * gamma
 
 
 def expected_cosine_ratio(
     t: int, *, n: int, total: int, min_ratio: float, cos_min: float, kind: str
 ) -> float:
+    n = max(2, n)
+    if t < 0:
+        return 0.0  # DeepSpeed's first step runs at lr 0
     if t < n:
         return min_ratio + (1 - min_ratio) * warmup(t, n, kind)
-    progress = min(1.0, max(0.0, (t - n) / (total - n)))
+    progress = min(1.0, (t - n + 1) / max(1, total - n))
     return cos_min + (1 - cos_min) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -69,16 +88,16 @@ def test_warmup_lr_matches_closed_form(kind: str, n: int) -> None:
         warmup_num_steps=n,
         warmup_type=kind,
     )
-    for t, lrs in enumerate(lrs_over(sched, 3 * n + 5)):
-        expected = expected_warmup_lr(t, 0.01, 0.5, n, kind)
+    for step, lrs in enumerate(lrs_over(sched, 3 * n + 5)):
+        expected = expected_warmup_lr(step - 1, 0.01, 0.5, n, kind)
         assert lrs == pytest.approx([expected, expected], rel=1e-12, abs=1e-15)
 
 
 def test_warmup_lr_starts_at_min_and_reaches_max() -> None:
     sched = WarmupLR(make_optimizer(), warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4)
-    lrs = [lr[0] for lr in lrs_over(sched, 6)]
-    assert lrs[0] == 0.0
-    assert lrs[4:] == [1.0, 1.0]
+    lrs = [lr[0] for lr in lrs_over(sched, 7)]
+    assert lrs[:2] == [0.0, 0.0]  # t = -1 and t = 0
+    assert lrs[5:] == [1.0, 1.0]
     assert lrs == sorted(lrs)
 
 
@@ -93,9 +112,9 @@ def test_warmup_decay_lr_matches_closed_form(kind: str) -> None:
         warmup_num_steps=n,
         warmup_type=kind,
     )
-    for t, lrs in enumerate(lrs_over(sched, total + 5)):
+    for step, lrs in enumerate(lrs_over(sched, total + 5)):
         assert lrs[0] == pytest.approx(
-            expected_decay_lr(t, lo=lo, hi=hi, n=n, total=total, kind=kind), rel=1e-12
+            expected_decay_lr(step - 1, lo=lo, hi=hi, n=n, total=total, kind=kind), rel=1e-12
         )
     assert sched.get_last_lr()[0] == pytest.approx(lo)  # past the end it stays at min
 
@@ -113,21 +132,22 @@ def test_warmup_cosine_lr_matches_closed_form(kind: str) -> None:
         cos_min_ratio=cos_min,
         warmup_type=kind,
     )
-    for t, lrs in enumerate(lrs_over(sched, total + 5)):
+    for step, lrs in enumerate(lrs_over(sched, total + 5)):
         ratio = expected_cosine_ratio(
-            t, n=n, total=total, min_ratio=min_ratio, cos_min=cos_min, kind=kind
+            step - 1, n=n, total=total, min_ratio=min_ratio, cos_min=cos_min, kind=kind
         )
         assert lrs == pytest.approx([p * ratio for p in peaks], rel=1e-12)
 
 
-def test_cosine_peaks_at_initial_lr_and_ends_at_min_ratio() -> None:
+def test_cosine_starts_at_zero_and_ends_at_min_ratio() -> None:
     sched = WarmupCosineLR(
         make_optimizer(lr=0.3), total_num_steps=10, warmup_num_steps=2, warmup_type="linear"
     )
-    lrs = [lr[0] for lr in lrs_over(sched, 12)]
-    assert lrs[2] == pytest.approx(0.3)
-    assert lrs[10] == pytest.approx(0.3 * 1e-4)
-    assert lrs[11] == pytest.approx(0.3 * 1e-4)
+    lrs = [lr[0] for lr in lrs_over(sched, 13)]
+    assert lrs[:3] == [0.0, 0.0, pytest.approx(0.15)]  # t = -1, 0, 1
+    assert max(lrs) < 0.3  # DeepSpeed's cosine starts one step into its decay
+    assert lrs[10] == pytest.approx(0.3 * 1e-4)  # t = 9: progress 1
+    assert lrs[12] == pytest.approx(0.3 * 1e-4)
 
 
 Factory = Callable[[torch.optim.Optimizer], LRScheduler]
@@ -170,8 +190,9 @@ def test_last_batch_iteration_resumes_without_initial_lr(name: str) -> None:
         params["total_num_steps"] = 25
     cls = WarmupLR if name == "WarmupLR" else WarmupDecayLR
     sched = cls(make_optimizer(), **params)
-    assert sched.last_batch_iteration == 5
-    assert sched.get_last_lr()[0] == pytest.approx(expected_warmup_lr(5, 0.0, 0.001, 7, "log"))
+    assert sched.last_batch_iteration == 4
+    peak = 0.1 if name == "WarmupLR" else 0.001  # WarmupLR's default peak: the group's lr
+    assert sched.get_last_lr()[0] == pytest.approx(expected_warmup_lr(4, 0.0, peak, 7, "log"))
 
 
 def test_cosine_resume_without_initial_lr_names_the_fix() -> None:
@@ -194,7 +215,7 @@ def test_works_with_plain_adamw_on_tiny_parameter() -> None:
         (weight**2).sum().backward()
         opt.step()
         sched.step()
-    assert seen == pytest.approx([0.0, 0.05 / 3, 0.1 / 3, 0.05, 0.05])
+    assert seen == pytest.approx([0.0, 0.0, 0.05 / 3, 0.1 / 3, 0.05])
     assert weight.item() < 1.0  # the optimizer really used the scheduled lrs
 
 
@@ -240,3 +261,36 @@ def test_build_scheduler_from_config(raw: dict[str, Any], cls: type[LRScheduler]
 def test_bad_arguments_raise_config_error(make: Factory, message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         make(make_optimizer())
+
+
+def _deepspeed_cases() -> list[dict[str, Any]]:
+    return json.loads(SCHEDULES.read_text())["cases"]
+
+
+@pytest.mark.parametrize("case", _deepspeed_cases(), ids=lambda c: f"{c['type']}{c['params']}")
+def test_schedules_match_deepspeed_step_for_step(case: dict[str, Any]) -> None:
+    recorded = json.loads(SCHEDULES.read_text())
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in recorded["group_lrs"]]
+    optimizer = torch.optim.SGD(
+        [{"params": [w], "lr": lr} for w, lr in zip(weights, recorded["group_lrs"], strict=True)]
+    )
+    config = SchedulerConfig.from_dict({"type": case["type"], "params": case["params"]})
+    sched = build_scheduler(optimizer, config)
+    assert lrs_over(sched, len(case["lrs"])) == case["lrs"]  # to the bit
+    assert sched.last_batch_iteration == case["state_dict"]["last_batch_iteration"]
+
+
+@pytest.mark.parametrize("case", _deepspeed_cases()[::3], ids=lambda c: c["type"])
+def test_deepspeed_state_dict_resumes_where_deepspeed_stood(case: dict[str, Any]) -> None:
+    """DeepSpeed's {"last_batch_iteration": t} puts the lr of t in place, then steps on."""
+    recorded = json.loads(SCHEDULES.read_text())
+    lrs = recorded["group_lrs"]
+    weights = [torch.nn.Parameter(torch.zeros(2)) for _ in lrs]
+    optimizer = torch.optim.SGD(
+        [{"params": [w], "lr": lr} for w, lr in zip(weights, lrs, strict=True)]
+    )
+    config = SchedulerConfig.from_dict({"type": case["type"], "params": case["params"]})
+    sched = build_scheduler(optimizer, config)
+    saved_at = 9  # a DeepSpeed run saved after 9 optimizer steps holds t = 8
+    sched.load_state_dict({"last_batch_iteration": saved_at - 1})
+    assert lrs_over(sched, 6) == case["lrs"][saved_at : saved_at + 6]

@@ -5,10 +5,20 @@ over as narrow pieces; see `subject`); `tensors` says which tensor goes under
 which key (layout-independent: one 1-D tensor per parameter); `sharded` wraps
 ShardedTensor; `plain` and `jsonable` are the JSON part; `paths` validates and
 commits atomically; `integrity` checks a checkpoint before loading;
-`consolidate` writes one full state dict.
+`consolidate` writes one full state dict. `deepspeed/` reads DeepSpeed's
+ZeRO checkpoints; `any_format.load_any_checkpoint` loads whichever format a
+directory holds and returns a `report.LoadReport` of what it restored.
 """
 
+from zerodp.checkpoint.any_format import load_any_checkpoint
+from zerodp.checkpoint.report import LoadReport
 from zerodp.checkpoint.save_load import load_checkpoint, save_checkpoint
 from zerodp.checkpoint.subject import CheckpointSubject
 
-__all__ = ["CheckpointSubject", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "CheckpointSubject",
+    "LoadReport",
+    "load_any_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -26,13 +26,15 @@ from zerodp.config.optimizer import validated_params
 
 class WarmupLRParams(Section):
     warmup_min_lr: NonNegFloat = 0.0
-    warmup_max_lr: NonNegFloat = 0.001
+    # None: each param group's own lr (DeepSpeed's WarmupLR default).
+    warmup_max_lr: NonNegFloat | None = None
     warmup_num_steps: PosInt = 1000
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastIteration = -1
 
 
 class WarmupDecayLRParams(WarmupLRParams):
+    warmup_max_lr: NonNegFloat = 0.001  # DeepSpeed's WarmupDecayLR default
     total_num_steps: PosInt = Field(description="the step where lr reaches 0")
 
     @model_validator(mode="after")

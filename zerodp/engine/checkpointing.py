@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from zerodp.backward.step_gate import StepGate
-from zerodp.checkpoint import CheckpointSubject, load_checkpoint, save_checkpoint
+from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
@@ -36,6 +36,7 @@ class CheckpointMethods:
     gate: StepGate
 
     config: ZeroDPConfig
+    last_load_report: LoadReport | None  # what the last load_checkpoint restored
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError  # ZeroEngine's
@@ -61,14 +62,15 @@ class CheckpointMethods:
         *,
         verify_checksums: bool = True,
     ) -> tuple[str | None, Any]:
-        """Load a checkpoint saved at any stage and world size; returns (path, client_state).
+        """Load a zerodp or DeepSpeed ZeRO checkpoint saved at any stage and world size.
 
-        Everything is checked (on every rank, agreed) before anything is changed,
-        including every file's checksum (`verify_checksums=False` skips that, for
-        trusted storage). With no tag and no `latest` file in `load_dir` (nothing
-        saved yet), nothing is loaded and (None, None) is returned, as in DeepSpeed.
+        Returns (path, client_state). Everything is checked (on every rank, agreed)
+        before anything is changed, including every file's checksum (`verify_checksums=
+        False` skips that, for trusted storage). With no tag and no `latest` file in
+        `load_dir`, nothing is loaded and (None, None) is returned, as in DeepSpeed.
+        What was restored and what not is logged and kept in `last_load_report`.
         """
-        result = load_checkpoint(
+        path, client, self.last_load_report = load_any_checkpoint(
             self._checkpoint_subject(),
             load_dir,
             tag=tag,
@@ -78,7 +80,7 @@ class CheckpointMethods:
             verify_checksums=verify_checksums,
         )
         self.gate.on_load()
-        return result
+        return path, client
 
     def _checkpoint_subject(self) -> CheckpointSubject:
         def after_load() -> None:

@@ -21,6 +21,7 @@ from zerodp import managed
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
+from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
 from zerodp.config import ZeroDPConfig
@@ -73,6 +74,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods)
         self.config = config
         self.module = module
         self._destroyed = False
+        self.last_load_report: LoadReport | None = None  # what the last load restored
         self._boundary_override: bool | None = None
         self._no_sync_depth = 0
         parts = assemble(

@@ -1,4 +1,5 @@
-"""The `zerodp` command: `run` (launch through torchrun), `env` (bug-report facts), `consolidate`.
+"""The `zerodp` command: `run` (launch through torchrun), `env` (bug-report facts), `consolidate`,
+`convert deepspeed` (a DeepSpeed checkpoint as a zerodp one, and as safetensors).
 
 `main` returns the exit status instead of calling `sys.exit`, so tests can
 call it in-process; the console script passes the return value to
@@ -52,7 +53,30 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the checksum check of the checkpoint's files (for trusted storage)",
     )
+    convert = commands.add_parser(
+        "convert",
+        help="convert a DeepSpeed ZeRO checkpoint: zerodp convert deepspeed SRC DST [--hf DIR]",
+        description=(
+            "Write a zerodp checkpoint (and with --hf, Hugging Face safetensors) from a DeepSpeed "
+            "ZeRO stage 1-3 or universal checkpoint. A training run can also load the DeepSpeed "
+            "checkpoint directly with engine.load_checkpoint."
+        ),
+    )
+    convert.add_argument("source_format", choices=["deepspeed"], help="the source's format")
+    convert.add_argument("source", metavar="SRC", help="DeepSpeed's save directory or tag folder")
+    convert.add_argument("destination", metavar="DST", help="directory for the zerodp checkpoint")
+    convert.add_argument("--tag", default=None, help="tag to read (default: 'latest')")
+    convert.add_argument("--hf", default=None, metavar="DIR", help="also write safetensors here")
+    convert.add_argument(
+        "--hf-dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of the safetensors"
+    )
+    convert.add_argument(
+        "--max-shard-bytes", type=int, default=None, help="largest safetensors shard (5 GiB)"
+    )
     return parser
+
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,8 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _consolidate(
             namespace.checkpoint_dir, namespace.output, namespace.tag, not namespace.no_verify
         )
+    if namespace.command == "convert":
+        return _convert(namespace)
     parser.print_usage(sys.stderr)
-    print("zerodp: error: choose a subcommand: run, env or consolidate", file=sys.stderr)
+    print("zerodp: error: choose a subcommand: run, env, consolidate or convert", file=sys.stderr)
     return USAGE_ERROR
 
 
@@ -125,6 +151,30 @@ def _consolidate(checkpoint_dir: str, output: str, tag: str | None, verify: bool
         print(f"zerodp consolidate: error: {error}", file=sys.stderr)
         return 1
     print(f"wrote full fp32 state dict to {written}")
+    return 0
+
+
+def _convert(namespace: argparse.Namespace) -> int:
+    import torch
+
+    from zerodp.errors import ZeroDPError
+    from zerodp.launch.convert import convert_deepspeed
+
+    try:
+        path, files = convert_deepspeed(
+            namespace.source,
+            namespace.destination,
+            tag=namespace.tag,
+            hf_dir=namespace.hf,
+            hf_dtype=getattr(torch, _DTYPES[namespace.hf_dtype]),
+            max_shard_bytes=namespace.max_shard_bytes,
+        )
+    except (ZeroDPError, ValueError, OSError) as error:
+        print(f"zerodp convert: error: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote zerodp checkpoint {path}")
+    if files:
+        print(f"wrote {len(files)} safetensors file(s) under {namespace.hf}")
     return 0
 
 

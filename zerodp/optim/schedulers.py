@@ -2,13 +2,20 @@
 
 Subclassing torch's scheduler keeps `state_dict`/`load_state_dict`,
 `get_last_lr()` and the optimizer-step bookkeeping that users and checkpoint
-code already rely on. Each schedule is a closed form in the step count, so a
-resumed run computes exactly the lr an uninterrupted run would have.
+code already rely on. Each schedule is a closed form in DeepSpeed's
+`last_batch_iteration` t, so a resumed run computes exactly the lr an
+uninterrupted run would have, and the lr of every step is DeepSpeed 0.19.8's
+(tests/unit/test_schedulers.py compares with values DeepSpeed produced).
 
-Step count `t` is the number of `scheduler.step()` calls so far: torch's
-constructor takes one step itself, so the lr right after construction is the
-`t = 0` value. `last_batch_iteration` is torch's `last_epoch`: passing `k`
-resumes at `t = k + 1`, and -1 starts fresh.
+DeepSpeed counts t from -1: its constructor sets the lr for t = -1 (the
+first optimizer step uses it) and each `step()` adds one. torch's
+`last_epoch` starts at 0 after construction, so here t = last_epoch - 1:
+the n-th optimizer step (counting from 1) uses lr(t = n - 2), and lr(-1) is
+the warmup's start (0 for WarmupCosineLR, as in DeepSpeed). As in DeepSpeed,
+a warmup shorter than 2 steps counts as 2. Passing `last_batch_iteration=k`
+(or loading DeepSpeed's state dict `{"last_batch_iteration": k}`) resumes
+where a DeepSpeed run saved at t = k stood: lr(k) now, lr(k + 1) after the
+next step.
 
 Constructor arguments are validated with the same models as the config's
 `scheduler.params`, so a bad value raises the same `ConfigError` either way.
@@ -17,6 +24,7 @@ Constructor arguments are validated with the same models as the config's
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -32,70 +40,105 @@ from zerodp.errors import ConfigError
 
 __all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
 
+_DEEPSPEED_STATE_KEYS = {"last_batch_iteration"}
+
 
 def warmup_fraction(t: int, warmup_num_steps: int, warmup_type: str) -> float:
-    """How far warmup has progressed at step `t`, from 0 to 1.
+    """How far warmup has progressed at DeepSpeed's iteration `t`, from 0 to 1.
 
-    "log" rises quickly at first: log(t + 1) / log(warmup_num_steps);
-    "linear" is t / warmup_num_steps. Both are 1 once t >= warmup_num_steps,
-    and a one-step "log" warmup is 1 from the start (log(1) / log(1) is 0/0).
+    "log" rises quickly at first: log(t + 1) / log(n); "linear" is t / n;
+    both are 1 once t >= n, with n = max(2, warmup_num_steps) as in DeepSpeed,
+    and 0 before the first step (t = -1).
     """
-    if t >= warmup_num_steps:
+    n = max(2, warmup_num_steps)
+    if t >= n:
         return 1.0
+    if t < 0:
+        return 0.0
     if warmup_type == "linear":
-        return t / warmup_num_steps
-    if warmup_num_steps == 1:
-        return 1.0
-    return math.log(t + 1) / math.log(warmup_num_steps)
+        return t / n
+    return (1.0 / math.log(n)) * math.log(t + 1)  # DeepSpeed's order of operations, to the bit
 
 
 def _keep_initial_lr(optimizer: Optimizer) -> None:
     """Let WarmupLR/WarmupDecayLR resume without `initial_lr`, which they never read.
 
     torch insists on `initial_lr` in every group when `last_epoch >= 0`; these
-    two schedules ignore the optimizer's lr, so any value satisfies it.
+    two schedules ignore it, so any value satisfies it.
     """
     for group in optimizer.param_groups:
         group.setdefault("initial_lr", group["lr"])
 
 
-class _MinToMaxSchedule(LRScheduler):
+class _DeepSpeedSchedule(LRScheduler):
+    """The step counting shared by the three schedules (see the module docstring)."""
+
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's step count t: -1 before the first scheduler step."""
+        return self.last_epoch - 1
+
+    def _lrs(self, t: int) -> list[float]:
+        raise NotImplementedError
+
+    def get_lr(self) -> list[float | Tensor]:
+        return list(self._lrs(self.last_batch_iteration))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's state dict, or DeepSpeed's `{"last_batch_iteration": t}` (then the
+        optimizer's lrs are set to lr(t) at once, as a DeepSpeed run saved at t has them)."""
+        if set(state_dict) != _DEEPSPEED_STATE_KEYS:
+            super().load_state_dict(state_dict)
+            return
+        t = state_dict["last_batch_iteration"]
+        if isinstance(t, bool) or not isinstance(t, int) or t < -1:
+            raise ConfigError(f"last_batch_iteration: got {t!r}; allowed: an integer >= -1")
+        self.last_epoch = t + 1
+        self._step_count = max(self._step_count, 1)
+        lrs = self._lrs(t)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = list(lrs)
+
+
+class _MinToMaxSchedule(_DeepSpeedSchedule):
     """Shared body of WarmupLR and WarmupDecayLR: lr = min + (max - min) * gamma(t)."""
 
     warmup_min_lr: float
-    warmup_max_lr: float
+    warmup_max_lrs: list[float]
     warmup_num_steps: int
     warmup_type: str
 
     def _start(self, optimizer: Optimizer, p: WarmupLRParams) -> None:
         self.warmup_min_lr = p.warmup_min_lr
-        self.warmup_max_lr = p.warmup_max_lr
+        self.warmup_max_lrs = [
+            float(group["lr"]) if p.warmup_max_lr is None else p.warmup_max_lr
+            for group in optimizer.param_groups
+        ]
         self.warmup_num_steps = p.warmup_num_steps
         self.warmup_type = p.warmup_type
         _keep_initial_lr(optimizer)
         super().__init__(optimizer, last_epoch=p.last_batch_iteration)
 
     @property
-    def last_batch_iteration(self) -> int:
-        """DeepSpeed's name for the step count torch calls `last_epoch`."""
-        return self.last_epoch
+    def warmup_max_lr(self) -> float:
+        return self.warmup_max_lrs[0]
 
     def _gamma(self, t: int) -> float:
         return warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
 
-    def get_lr(self) -> list[float | Tensor]:
-        gamma = self._gamma(self.last_epoch)
-        lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * gamma
-        return [lr for _ in self.optimizer.param_groups]
+    def _lrs(self, t: int) -> list[float]:
+        gamma = self._gamma(t)
+        low = self.warmup_min_lr
+        return [low + (high - low) * gamma for high in self.warmup_max_lrs]
 
 
 class WarmupLR(_MinToMaxSchedule):
-    """Warm up from `warmup_min_lr` to `warmup_max_lr`, then hold.
+    """Warm up from `warmup_min_lr` to `warmup_max_lr` (default: each group's own lr), then hold.
 
     lr(t) = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma(t), with
-    gamma(t) = log(t + 1) / log(warmup_num_steps) ("log") or
-    t / warmup_num_steps ("linear") while t < warmup_num_steps, else 1.
-    Every param group gets the same lr; the optimizer's own lr is ignored.
+    gamma(t) = log(t + 1) / log(n) ("log") or t / n ("linear") while t < n,
+    else 1 (n = max(2, warmup_num_steps); t = -1 before the first step).
     """
 
     def __init__(
@@ -103,7 +146,7 @@ class WarmupLR(_MinToMaxSchedule):
         optimizer: Optimizer,
         *,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -124,8 +167,8 @@ class WarmupDecayLR(_MinToMaxSchedule):
     """WarmupLR, then a linear decay that reaches `warmup_min_lr` at `total_num_steps`.
 
     lr(t) = warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma(t), where
-    gamma(t) is WarmupLR's warmup fraction while t < warmup_num_steps and
-    afterwards max(0, (total_num_steps - t) / (total_num_steps - warmup_num_steps)).
+    gamma(t) is WarmupLR's warmup fraction while t < n = max(2, warmup_num_steps)
+    and afterwards max(0, (total_num_steps - t) / (total_num_steps - n)).
     """
 
     def __init__(
@@ -153,20 +196,20 @@ class WarmupDecayLR(_MinToMaxSchedule):
         self._start(optimizer, p)
 
     def _gamma(self, t: int) -> float:
-        if t < self.warmup_num_steps:
+        n = max(2, self.warmup_num_steps)
+        if t < n:
             return super()._gamma(t)
-        decay_steps = self.total_num_steps - self.warmup_num_steps
-        return max(0.0, (self.total_num_steps - t) / decay_steps)
+        return max(0.0, (self.total_num_steps - t) / max(1, self.total_num_steps - n))
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_DeepSpeedSchedule):
     """Warm up to each group's own lr, then follow a cosine down to a fraction of it.
 
     lr(t) = initial_lr * ratio(t), where initial_lr is the group's lr when the
-    scheduler was created. While t < warmup_num_steps,
-    ratio = warmup_min_ratio + (1 - warmup_min_ratio) * w(t) with w(t) the
-    "log" or "linear" warmup fraction of WarmupLR. Afterwards, with
-    progress = clip((t - warmup_num_steps) / (total_num_steps - warmup_num_steps), 0, 1),
+    scheduler was created, and 0 before the first step (t = -1). While
+    t < n = max(2, warmup_num_steps), ratio = warmup_min_ratio +
+    (1 - warmup_min_ratio) * w(t) with w(t) WarmupLR's warmup fraction.
+    Afterwards, with progress = min(1, (t - n + 1) / max(1, total_num_steps - n)),
     ratio = cos_min_ratio + (1 - cos_min_ratio) * 0.5 * (1 + cos(pi * progress)).
     """
 
@@ -208,23 +251,20 @@ class WarmupCosineLR(LRScheduler):
             )
         super().__init__(optimizer, last_epoch=p.last_batch_iteration)
 
-    @property
-    def last_batch_iteration(self) -> int:
-        """DeepSpeed's name for the step count torch calls `last_epoch`."""
-        return self.last_epoch
-
     def _ratio(self, t: int) -> float:
-        if t < self.warmup_num_steps:
+        if t < 0:
+            return 0.0
+        n = max(2, self.warmup_num_steps)
+        if t < n:
             w = warmup_fraction(t, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * w
-        span = self.total_num_steps - self.warmup_num_steps
-        progress = min(1.0, max(0.0, (t - self.warmup_num_steps) / span))
+        progress = min(1.0, (t - n + 1) / max(1, self.total_num_steps - n))
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-        return self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
-    def get_lr(self) -> list[float | Tensor]:
-        ratio = self._ratio(self.last_epoch)
-        return [base_lr * ratio for base_lr in self.base_lrs]
+    def _lrs(self, t: int) -> list[float]:
+        ratio = self._ratio(t)
+        return [float(base_lr) * ratio for base_lr in self.base_lrs]
 
 
 _CLASSES: dict[str, type[LRScheduler]] = {

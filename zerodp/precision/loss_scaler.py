@@ -4,11 +4,13 @@ Dynamic scaling (config `fp16.loss_scale` 0) starts at 2**initial_scale_power.
 An overflowing step (inf or NaN in any rank's gradient; one decision agreed
 by all ranks) is skipped. The scale halves once `hysteresis` overflows have
 been seen since it last changed, never below `min_loss_scale`; an overflow
-at the minimum raises, since training cannot make progress there. After
-`loss_scale_window` clean steps in a row it doubles and the hysteresis budget
-is restored. With `consecutive_hysteresis` (DeepSpeed's `fp16` key of that
-name) the budget is restored after every clean step instead, so only
-overflows in a row count towards halving.
+at the minimum raises, since training cannot make progress there. A clean
+step that follows `loss_scale_window` clean steps in a row (since the last
+overflow, or the start) doubles it and restores the hysteresis budget: with a
+window of W the scale doubles at the (W + 1)-th, (2W + 1)-th, ... clean step,
+when DeepSpeed's DynamicLossScaler does. With `consecutive_hysteresis`
+(DeepSpeed's `fp16` key of that name) the budget is restored after every
+clean step instead, so only overflows in a row count towards halving.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         if not overflow:
-            self.clean_steps += 1
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if self.dynamic and self.clean_steps % self.window == 0:
+            if self.dynamic and self.clean_steps > 0 and self.clean_steps % self.window == 0:
                 self.scale *= 2.0
                 self.hysteresis_left = self.hysteresis
+            self.clean_steps += 1
             return
         self.overflows += 1
         self.clean_steps = 0

@@ -1,0 +1,77 @@
+"""`load_any_checkpoint`: a zerodp checkpoint, or a DeepSpeed one, whichever `load_dir` holds.
+
+The format is recognised from the files alone (see
+`zerodp.checkpoint.deepspeed.files`), on every rank; the ranks must see the
+same one before either loader runs a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zerodp.checkpoint.deepspeed import find_checkpoint, load_deepspeed_checkpoint
+from zerodp.checkpoint.integrity import CHECKPOINT_FAILURES
+from zerodp.checkpoint.report import LoadReport
+from zerodp.checkpoint.save_load import load_checkpoint
+from zerodp.checkpoint.subject import CheckpointSubject
+from zerodp.errors import CheckpointError
+
+
+def load_any_checkpoint(
+    subject: CheckpointSubject,
+    load_dir: Any,
+    tag: str | None = None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    verify_checksums: bool = True,
+) -> tuple[str | None, Any, LoadReport | None]:
+    """(path, client_state, report); (None, None, None) when nothing is saved yet."""
+    comm = subject.comm
+    error: BaseException | None = None
+    files = None
+    try:
+        files = find_checkpoint(load_dir, tag)
+    except CHECKPOINT_FAILURES as caught:
+        error = caught
+    comm.raise_if_any_failed(error)
+    seen = comm.all_gather_object(None if files is None else str(files.folder))
+    if len(set(seen)) > 1:
+        raise CheckpointError(
+            f"ranks see different checkpoints under '{load_dir}' ({sorted(set(map(str, seen)))}); "
+            "put it on storage every rank reads alike"
+        )
+    if files is not None:
+        return load_deepspeed_checkpoint(
+            subject,
+            files,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+    path, client = load_checkpoint(
+        subject,
+        load_dir,
+        tag=tag,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=load_lr_scheduler_states,
+        load_module_only=load_module_only,
+        verify_checksums=verify_checksums,
+    )
+    if path is None:
+        return None, None, None
+    report = LoadReport(f"zerodp checkpoint '{path}'", ["model weights (fp32 masters)"])
+    if load_module_only:
+        report.not_restored.append("everything but the weights (load_module_only=True)")
+        return path, client, report
+    if load_optimizer_states:
+        report.restored.append("optimizer state and settings, loss scaler")
+    else:
+        report.not_restored.append("optimizer state (load_optimizer_states=False)")
+    if not load_lr_scheduler_states:
+        report.not_restored.append("LR scheduler (load_lr_scheduler_states=False)")
+    report.restored.append(
+        "counters, LR scheduler, random generators, data-loader position, kept gradients, "
+        "client_state, as saved"
+    )
+    return path, client, report
