@@ -416,3 +416,16 @@ def test_trl_trainers_on_zerodp_match_single_process_trl(pools, tmp_path: Path) 
         assert moved > 100 * BOUND, (case.name, "the weights hardly moved", moved)
         assert (result["sharded"] > 0) == (case.stage == 3), case.name
     print("\n".join(table))
+
+
+def dpo_example(workdir: str) -> list[str]:
+    from examples import dpo_lora
+
+    dpo_lora.main(["--steps", "2", "--pairs", "64", "--batch-size", "4", "--output-dir", workdir])
+    return sorted(os.listdir(os.path.join(workdir, "adapter")))
+
+
+def test_dpo_lora_example_runs(pools, tmp_path: Path) -> None:
+    """examples/dpo_lora.py, 2 steps: it trains, saves PEFT's files and reloads them."""
+    files = pools(WORLD).run(dpo_example, str(tmp_path))[0]
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(files), files
