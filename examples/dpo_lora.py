@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 examples/dpo_lora.py
 
 `with_zerodp(trl.DPOTrainer)` is TRL's trainer with zerodp preparing,
-stepping and saving the model (docs/integrations.md). No downloads: the
+stepping and saving the model (docs/post-training.md). No downloads: the
 policy is a small Llama built from a config, the tokenizer a word-level one
 built here, and the preference data is made up on the spot: the prompt is a
 list of digits, the chosen answer the digits sorted, the rejected answer
