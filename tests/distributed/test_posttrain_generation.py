@@ -280,7 +280,9 @@ def generation_misuse() -> list[str]:
     hooks = _hook_ids(layer)[0]
     calls: list[int] = []
     messages = []
+    assert not engine.generation_block_open
     with engine.gathered_for_generation():
+        assert engine.generation_block_open
         for call in (lambda: _forward_with_grad(engine.module), lambda: _enter_twice(engine)):
             try:
                 call()
@@ -297,7 +299,7 @@ def generation_misuse() -> list[str]:
     mine.remove()
     with pytest.raises(KeyError), engine.gathered_for_generation():
         raise KeyError("user code failed inside")
-    assert _statuses(engine) == before
+    assert _statuses(engine) == before and not engine.generation_block_open
     assert torch.is_grad_enabled()
     engine.destroy()
     return messages

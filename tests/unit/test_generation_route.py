@@ -35,8 +35,7 @@ class FakeEngine:
 
     def __init__(self, stage: int = 3) -> None:
         self.stage = stage
-        self.generation = SimpleNamespace(is_open=False)
-        self.posttrain = SimpleNamespace(generation=self.generation)
+        self.generation_block_open = False
         self.entries = 0
 
     def zero_optimization_stage(self) -> int:
@@ -44,13 +43,13 @@ class FakeEngine:
 
     @contextlib.contextmanager
     def gathered_for_generation(self) -> Iterator[None]:
-        assert not self.generation.is_open, "the context does not nest"
+        assert not self.generation_block_open, "the context does not nest"
         self.entries += 1
-        self.generation.is_open = True
+        self.generation_block_open = True
         try:
             yield
         finally:
-            self.generation.is_open = False
+            self.generation_block_open = False
 
 
 def route(model: nn.Module, engine: FakeEngine, **args: Any) -> Any:
@@ -65,7 +64,7 @@ def test_each_call_enters_the_context_once_and_remove_restores_the_method() -> N
     inner = Generating.generate
 
     def spying(self: Generating, prompt: torch.Tensor, *, tokens: int = 1) -> str:
-        seen.append(engine.generation.is_open)
+        seen.append(engine.generation_block_open)
         return inner(self, prompt, tokens=tokens)
 
     Generating.generate = spying  # type: ignore[method-assign]

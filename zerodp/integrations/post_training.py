@@ -3,7 +3,7 @@
 TRL and PEFT call DeepSpeed-specific paths when they detect DeepSpeed; under
 zerodp they see a plain `Trainer` with no DeepSpeed plugin, so each of those
 paths needs a zerodp equivalent that comes in through a seam the Trainer
-already has (docs/integrations.md, "TRL and PEFT", has the whole table):
+already has (docs/post-training.md, "TRL's trainers on zerodp", has the whole table):
 
 - A frozen model next to the policy (DPO's reference, GRPO's reference and
   reward models): TRL hands it to `accelerator.prepare_model(m,
@@ -95,11 +95,10 @@ class GenerationRoute:
         self.model = model
         self._own = vars(model).get("generate")  # a function set on the instance, if any
         inner = cast(Callable[..., Any], model.generate)
-        generation = engine.posttrain.generation
 
         @functools.wraps(inner)
         def generate(*args: Any, **kwargs: Any) -> Any:
-            if generation.is_open:
+            if engine.generation_block_open:
                 return inner(*args, **kwargs)
             with engine.gathered_for_generation():
                 return inner(*args, **kwargs)
