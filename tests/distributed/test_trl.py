@@ -241,9 +241,11 @@ def sharded_bytes(engine: Any) -> tuple[int, int]:
 
 def frozen_reference_state(trainer: Any) -> dict[str, Any]:
     """The reference model's frozen engine: its bytes, and which parameters are sharded."""
+    import zerodp
+
     (engine,) = trainer.frozen_engines
     ref = trainer.ref_model
-    assert engine.module is ref and engine.mode is zerodp_mode().INFERENCE
+    assert engine.module is ref and engine.mode is zerodp.EngineMode.INFERENCE
     assert not any(p.requires_grad for p in ref.parameters())
     statuses = [(engine.param_status(p).name, p.numel()) for p in ref.parameters()]
     held = engine.model_state_bytes()
@@ -281,12 +283,6 @@ def generate_after_training(trainer: Any) -> None:
     with engine.gathered_for_generation():
         inside = trainer.model.generate(prompts, **kwargs)
     assert torch.equal(routed, expected) and torch.equal(inside, expected)
-
-
-def zerodp_mode() -> Any:
-    import zerodp
-
-    return zerodp.EngineMode
 
 
 def trl_cases(workdir: str, names: list[str]) -> dict[str, Any]:

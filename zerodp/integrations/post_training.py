@@ -88,7 +88,9 @@ class GenerationRoute:
     someone has replaced the wrapper since, whose function then stays. A
     `copy.deepcopy` of the model taken while the route is on keeps calling
     the original's `generate` (functions are copied by reference): copy it
-    before `train()` or after `destroy_engines()`, as TRL does.
+    before `train()` or after `destroy_engines()`. Only `generate` is routed:
+    `generate_batch` (TRL's `use_transformers_continuous_batching`) gathers
+    module by module through the hooks.
     """
 
     def __init__(self, model: nn.Module, engine: zerodp.ZeroEngine) -> None:
@@ -121,8 +123,8 @@ def route_generation(
     """A `GenerationRoute` on `model` at stage 3, else None (nothing to gather).
 
     None too when the TRL config says `ds3_gather_for_generation=False`: there
-    TRL generates without gathering under DeepSpeed, to keep only one
-    module's parameters whole at a time; zerodp's per-module hooks do the same.
+    TRL generates without gathering under DeepSpeed, so that only the running
+    (and prefetched) modules are whole; zerodp's per-module hooks do the same.
     """
     if engine.zero_optimization_stage() != 3 or not callable(getattr(model, "generate", None)):
         return None
