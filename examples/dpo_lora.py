@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 examples/dpo_lora.py
 
 `with_zerodp(trl.DPOTrainer)` is TRL's trainer with zerodp preparing,
-stepping and saving the model (docs/integrations.md). No downloads: the
+stepping and saving the model (docs/post-training.md). No downloads: the
 policy is a small Llama built from a config, the tokenizer a word-level one
 built here, and the preference data is made up on the spot: the prompt is a
 list of digits, the chosen answer the digits sorted, the rejected answer
@@ -62,6 +62,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-3, help="learning rate of the adapters")
     p.add_argument("--beta", type=float, default=0.1, help="DPO's beta")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    p.add_argument("--pairs", type=int, default=4096, help="training preference pairs")
     return p.parse_args(argv)
 
 
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     trainer = with_zerodp(trl.DPOTrainer)(
         model=policy,
         args=training,
-        train_dataset=preference_pairs(4096, seed=1),
+        train_dataset=preference_pairs(args.pairs, seed=1),
         processing_class=tokenizer,
         zerodp_config=CONFIG,
     )

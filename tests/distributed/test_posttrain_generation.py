@@ -103,8 +103,11 @@ def inference_engine_cases() -> dict[str, object]:
         config = zerodp_config(
             stage, micro_batch=2, optimizer=optimizer, dtype="bf16", persistence_threshold=0
         )
+        # A scheduler block is not built (nothing steps): initialize returns None for it.
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 8}}
         engine, returned_optimizer, _, scheduler = zerodp.initialize(model=model, config=config)
         where = f"stage {stage}, {how}"
+        assert engine.lr_scheduler is None, where
         assert engine.mode is zerodp.EngineMode.INFERENCE, where
         assert returned_optimizer is None and scheduler is None, where
         assert not any(p.requires_grad for p in model.parameters()), where
@@ -273,17 +276,30 @@ def generation_misuse() -> list[str]:
         model=build_llama(), config=zerodp_config(3, micro_batch=2, persistence_threshold=0)
     )
     before = _statuses(engine)
+    layer = engine.module.model.layers[0]
+    hooks = _hook_ids(layer)[0]
+    calls: list[int] = []
     messages = []
+    assert not engine.generation_block_open
     with engine.gathered_for_generation():
+        assert engine.generation_block_open
         for call in (lambda: _forward_with_grad(engine.module), lambda: _enter_twice(engine)):
             try:
                 call()
             except zerodp.UsageError as error:
                 messages.append(str(error))
+        # A hook registered inside stays; the stage 3 hooks come back around it.
+        mine = layer.register_forward_hook(lambda *_: calls.append(1))
     assert _statuses(engine) == before
+    pre, post = _hook_ids(layer)[0]
+    assert (pre, post) == (hooks[0], [*hooks[1], mine.id]), (hooks, pre, post)
+    with torch.no_grad():
+        engine(_prompts())
+    assert calls == [1]
+    mine.remove()
     with pytest.raises(KeyError), engine.gathered_for_generation():
         raise KeyError("user code failed inside")
-    assert _statuses(engine) == before
+    assert _statuses(engine) == before and not engine.generation_block_open
     assert torch.is_grad_enabled()
     engine.destroy()
     return messages

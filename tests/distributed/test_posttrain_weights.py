@@ -7,12 +7,18 @@
   `merge_and_unload().state_dict()` holds in a single-process PEFT model built alike.
 - `offload_states()` / `reload_states()`: the round trip leaves every tensor of model
   state bitwise as it was, the next step equals a run without it, the accounting moves
-  every byte to the host side while offloaded, and what needs the states is refused.
+  every byte to the host side while offloaded, and what needs the states is refused
+  (a forward, full_parameters, step, zero_grad, backward, gathered_for_generation, a
+  checkpoint save); `destroy()` while offloaded brings them back first; optimizer state
+  the config keeps on the host (`offload_optimizer`) stays where it is, and a forward's
+  graph alive across the round trip backpropagates exactly.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -192,6 +198,9 @@ def _run(stage: int, dtype: str, offload: bool) -> tuple[list[torch.Tensor], lis
             lambda: list(engine.full_parameters()),
             engine.step,
             engine.zero_grad,
+            lambda: engine.backward(torch.zeros((), requires_grad=True)),
+            lambda: _enter(engine.gathered_for_generation()),
+            lambda: _save_checkpoint(engine),
         )
         engine.reload_states()
         assert engine.model_state_bytes() == held
@@ -220,20 +229,100 @@ def _refusals(*calls: Callable[[], object]) -> list[str]:
     return messages
 
 
+def _enter(context: Any) -> None:
+    with context:
+        pass
+
+
+def _save_checkpoint(engine: zerodp.ZeroEngine) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        engine.save_checkpoint(directory)
+
+
+def _destroy_while_offloaded(stage: int, dtype: str) -> None:
+    """destroy() brings the states back first: the module's logits are those before."""
+    config = zerodp_config(
+        stage, micro_batch=2, optimizer=optimizer_config("AdamW", lr=1e-2), dtype=dtype
+    )
+    engine, *_ = zerodp.initialize(model=build_llama(), config=config)
+    _train(engine, range(1))
+    ids = _ids(9)
+    with torch.no_grad():
+        before = engine(input_ids=ids).logits
+    engine.offload_states()
+    engine.destroy()
+    with torch.no_grad():
+        after = engine.module(input_ids=ids).logits
+    assert torch.equal(before, after), "the module after destroy() is not the trained one"
+
+
 def offload_round_trip(stage: int, dtype: str) -> list[str]:
     plain, _ = _run(stage, dtype, offload=False)
     offloaded, refusals = _run(stage, dtype, offload=True)
     for a, b in zip(plain, offloaded, strict=True):
         assert torch.equal(a, b), "a step after offload_states/reload_states differs"
+    _destroy_while_offloaded(stage, dtype)
     return refusals
 
 
 @pytest.mark.parametrize(("stage", "dtype"), [(0, "fp32"), (1, "fp32"), (3, "bf16")])
 def test_offload_round_trip_is_bitwise_and_training_continues(pools, stage, dtype) -> None:
     refusals = pools(2).run(offload_round_trip, stage, dtype)[0]
-    assert len(refusals) == 5, refusals
+    assert len(refusals) == 8, refusals
     assert all("reload_states()" in message for message in refusals), refusals
-    assert "lp_params" in refusals[0] and "optim_states" in refusals[4], refusals
+    assert "lp_params" in refusals[0] and "optim_states" in refusals[7], refusals
+    what = ["a forward", "full_parameters()", "step()", "zero_grad()", "backward()"]
+    what += ["gathered_for_generation()", "checkpoint"]
+    assert all(w in m for w, m in zip(what, refusals, strict=False)), refusals
+
+
+def _optimizer_tensors(engine: zerodp.ZeroEngine) -> list[torch.Tensor]:
+    slots = engine.optimizer.state.values()
+    return [v for slot in slots for v in slot.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def _weights_after_a_step(offload_mid_graph: bool) -> list[torch.Tensor]:
+    """One step whose forward's graph is live while lp_params go to the host and back."""
+    config = zerodp_config(1, micro_batch=2, optimizer=optimizer_config("AdamW", lr=1e-2))
+    engine, *_ = zerodp.initialize(model=build_llama(), config=config)
+    _train(engine, range(1))
+    ids = _ids(5)
+    loss = engine(input_ids=ids, labels=ids).loss  # its graph saved the parameters
+    if offload_mid_graph:
+        engine.offload_states(include=["lp_params"])
+        engine.reload_states()
+    engine.backward(loss)
+    engine.step()
+    weights = [t.clone() for t in engine.state_dict().values()]
+    engine.destroy()
+    return weights
+
+
+def offload_edges() -> None:
+    # Optimizer state the config keeps on the host stays where it is; the parameters move.
+    config = zerodp_config(
+        1,
+        micro_batch=2,
+        optimizer=optimizer_config("AdamW", lr=1e-2),
+        zero={"offload_optimizer": {"device": "cpu"}},
+    )
+    engine, *_ = zerodp.initialize(model=build_llama(), config=config)
+    _train(engine, range(1))
+    moments = [t.data_ptr() for t in _optimizer_tensors(engine)]
+    params = [p.data_ptr() for p in engine.module.parameters()]
+    assert moments
+    engine.offload_states()
+    assert [t.data_ptr() for t in _optimizer_tensors(engine)] == moments
+    assert [p.data_ptr() for p in engine.module.parameters()] != params
+    engine.reload_states()
+    engine.destroy()
+    # A graph that saved the parameters before they moved still backpropagates exactly.
+    for a, b in zip(_weights_after_a_step(False), _weights_after_a_step(True), strict=True):
+        assert torch.equal(a, b), "the backward of a graph alive across offload differs"
+
+
+def test_offload_leaves_config_offloaded_state_and_live_graphs_intact(pools) -> None:
+    pools(2).run(offload_edges)
 
 
 def test_stream_weights_example_syncs_a_server(pools) -> None:

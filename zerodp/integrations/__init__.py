@@ -11,7 +11,7 @@ lightning:
   whose backward, step, clipping, accumulation, LR schedule, checkpoints and
   `save_model` go through the engine; `with_zerodp(cls)` does the same for any
   Trainer subclass (TRL's `SFTTrainer`, `DPOTrainer`, `GRPOTrainer`), with
-  `post_training` for their reference models and PEFT adapters
+  `post_training` for their reference models, generation and PEFT adapters
   (`pip install zerodp[trl]`); `trainer_config` fills a DeepSpeed-style
   config's "auto" values from `TrainingArguments`.
 - `zerodp.integrations.lightning`: `ZeroDPStrategy`, a Lightning strategy

@@ -3,13 +3,19 @@
 TRL and PEFT call DeepSpeed-specific paths when they detect DeepSpeed; under
 zerodp they see a plain `Trainer` with no DeepSpeed plugin, so each of those
 paths needs a zerodp equivalent that comes in through a seam the Trainer
-already has (docs/integrations.md, "TRL and PEFT", has the whole table):
+already has (docs/post-training.md, "TRL's trainers on zerodp", has the whole table):
 
 - A frozen model next to the policy (DPO's reference, GRPO's reference and
   reward models): TRL hands it to `accelerator.prepare_model(m,
   evaluation_mode=True)` unless DeepSpeed is on, where `prepare_deepspeed`
   builds an inference engine at stage 3 (and a plain model below it).
   `prepare_frozen_model` does the same with zerodp's frozen engine.
+- Generation: TRL's `unwrap_model_for_generation` gathers every parameter
+  and takes the stage 3 hooks off around `generate` under DeepSpeed, and
+  yields the model untouched otherwise. At stage 3 `GenerationRoute` makes
+  the policy's own `generate` enter `engine.gathered_for_generation()`, so
+  every caller (GRPO's and RLOO's rollouts, a callback, the user) generates
+  with the model gathered once per call instead of once per token.
 - PEFT adapters: the engine trains only what requires a gradient, so a
   `PeftModel` needs nothing at the step; saving gathers only the adapter's
   tensors (`adapter_state_dict`), where the full state dict would gather the
@@ -18,7 +24,9 @@ already has (docs/integrations.md, "TRL and PEFT", has the whole table):
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -67,6 +75,94 @@ def prepare_frozen_model(model: nn.Module, config: dict[str, Any]) -> zerodp.Zer
     engine, _, _, _ = zerodp.initialize(model=model, config=frozen_model_config(config))
     engine.eval()
     return engine
+
+
+class GenerationRoute:
+    """`model.generate` run inside `engine.gathered_for_generation()`, until `remove()`.
+
+    Installed as an instance attribute over whatever `model.generate` was (the
+    class's method, or a function the user set on the instance), so every
+    caller goes through it without knowing about zerodp. A call made inside
+    a `gathered_for_generation()` block the caller opened runs as it is (the
+    context does not nest). `remove()` puts back what was there, unless
+    someone has replaced the wrapper since, whose function then stays. A
+    `copy.deepcopy` of the model taken while the route is on keeps calling
+    the original's `generate` (functions are copied by reference): copy it
+    before `train()` or after `destroy_engines()`. Only `generate` is routed:
+    `generate_batch` (TRL's `use_transformers_continuous_batching`) gathers
+    module by module through the hooks.
+    """
+
+    def __init__(self, model: nn.Module, engine: zerodp.ZeroEngine) -> None:
+        self.model = model
+        self._own = vars(model).get("generate")  # a function set on the instance, if any
+        inner = cast(Callable[..., Any], model.generate)
+
+        @functools.wraps(inner)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if engine.generation_block_open:
+                return inner(*args, **kwargs)
+            with engine.gathered_for_generation():
+                return inner(*args, **kwargs)
+
+        self.wrapper = generate
+        vars(model)["generate"] = generate  # an instance attribute, over the class's method
+
+    def remove(self) -> None:
+        if vars(self.model).get("generate") is not self.wrapper:
+            return  # replaced since: leave the newer function in place
+        if self._own is not None:
+            vars(self.model)["generate"] = self._own
+        else:
+            del vars(self.model)["generate"]
+
+
+def route_generation(
+    model: nn.Module, engine: zerodp.ZeroEngine, args: Any
+) -> GenerationRoute | None:
+    """A `GenerationRoute` on `model` at stage 3, else None (nothing to gather).
+
+    None too when the TRL config says `ds3_gather_for_generation=False`: there
+    TRL generates without gathering under DeepSpeed, so that only the running
+    (and prefetched) modules are whole; zerodp's per-module hooks do the same.
+    """
+    if engine.zero_optimization_stage() != 3 or not callable(getattr(model, "generate", None)):
+        return None
+    if not getattr(args, "ds3_gather_for_generation", True):
+        return None
+    return GenerationRoute(model, engine)
+
+
+class PostTrainingParts:
+    """What a trainer builds next to its training engine: frozen engines, the generation route."""
+
+    def __init__(self) -> None:
+        self.frozen_engines: list[zerodp.ZeroEngine] = []
+        self.route: GenerationRoute | None = None
+
+    def prepare_frozen(self, model: nn.Module, config: dict[str, Any]) -> bool:
+        """Shard `model` on a frozen engine at stage 3 (True), or leave it to the caller."""
+        engine = prepare_frozen_model(model, config)
+        if engine is None:
+            return False
+        self.frozen_engines.append(engine)
+        return True
+
+    def route_generation(self, model: nn.Module, engine: zerodp.ZeroEngine, args: Any) -> None:
+        self.unroute_generation()
+        self.route = route_generation(model, engine, args)
+
+    def unroute_generation(self) -> None:
+        if self.route is not None:
+            self.route.remove()
+            self.route = None
+
+    def destroy(self) -> None:
+        """Take the route off and destroy the frozen engines (their models stay, unsharded)."""
+        self.unroute_generation()
+        for engine in self.frozen_engines:
+            engine.destroy()
+        self.frozen_engines = []
 
 
 def refuse_unsupported_post_training(args: Any, config: dict[str, Any]) -> None:

@@ -53,6 +53,8 @@ prepares, steps and saves; `ZeroDPTrainer` is `with_zerodp(Trainer)`.
   reward model: `accelerator.prepare_model(m, evaluation_mode=True)`): at
   stage 3 a frozen zerodp engine shards them as DeepSpeed would
   (`post_training.prepare_frozen_model`); at stages 0-2 Accelerate places them.
+- Generation at stage 3: the model's `generate` runs inside
+  `engine.gathered_for_generation()` while the engine lives (`GenerationRoute`).
 
 [Note: with_zerodp's class order]
 `with_zerodp(cls)` is `class ZeroDP<cls>(cls, ZeroDPTrainer)`, whose method
@@ -87,9 +89,9 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 import zerodp
 from zerodp.errors import CheckpointError, ConfigError, ConfigWarning, UsageError
 from zerodp.integrations.post_training import (
+    PostTrainingParts,
     adapter_state_dict,
     is_peft_model,
-    prepare_frozen_model,
     refuse_unsupported_post_training,
 )
 from zerodp.integrations.trainer_config import (
@@ -158,7 +160,7 @@ class ZeroDPTrainer(Trainer):
         if zerodp_config is not None or "zerodp_config" not in self.__dict__:
             self._take_zerodp_config(zerodp_config, args)
         self.engine: zerodp.ZeroEngine | None = None
-        self._frozen_engines: list[zerodp.ZeroEngine] = []
+        self._post_training = PostTrainingParts()  # frozen engines, the generation route
         super().__init__(model, args, *rest, **kwargs)
         refuse_unsupported_arguments(self.args)  # also a subclass's default arguments
         if self.args.n_gpu > 1:
@@ -205,12 +207,9 @@ class ZeroDPTrainer(Trainer):
             if model is self.model and self.engine is not None:
                 return model  # zerodp placed and cast it: no DDP, no autocast wrapper
             if kwargs.get("evaluation_mode") and model is not self.model:
-                frozen = prepare_frozen_model(
-                    model, self._filled_config(max(self.args.max_steps, 0))
-                )
-                if frozen is not None:  # stage 3: sharded by a frozen engine
-                    self._frozen_engines.append(frozen)
-                    return model
+                config = self._filled_config(max(self.args.max_steps, 0))
+                if self._post_training.prepare_frozen(model, config):
+                    return model  # stage 3: sharded by a frozen engine
             return prepare_model(model, *args, **kwargs)
 
         accelerator.prepare_model = prepare_model_unless_ours
@@ -224,6 +223,7 @@ class ZeroDPTrainer(Trainer):
     ) -> tuple[nn.Module, Any]:
         """Build the engine (instead of the Trainer's optimizer, scheduler and DDP wrapper)."""
         if self.engine is not None:  # train() again: a fresh engine on the same model
+            self._post_training.unroute_generation()
             self.engine.destroy()
             self.engine = None
         config = self._filled_config(max_steps)
@@ -240,6 +240,7 @@ class ZeroDPTrainer(Trainer):
         )
         self.engine = engine
         self.model_wrapped = model
+        self._post_training.route_generation(model, engine, self.args)
         stepper = EngineOptimizer(engine)
         # Views, not torch objects: the Trainer only calls step(), zero_grad() and get_last_lr().
         self.optimizer = stepper  # type: ignore[assignment]
@@ -451,18 +452,18 @@ class ZeroDPTrainer(Trainer):
     @property
     def frozen_engines(self) -> tuple[zerodp.ZeroEngine, ...]:
         """The frozen engines of the models this trainer prepared for evaluation (stage 3)."""
-        return tuple(self._frozen_engines)
+        return tuple(self._post_training.frozen_engines)
 
     def destroy_engines(self) -> None:
         """Destroy the training engine and the frozen ones; the models stay, with their weights.
 
-        For a process that goes on to build other engines on the same models.
+        For a process that goes on to build other engines on the same models; the
+        policy's `generate` is its own again.
         """
-        for engine in [self.engine, *self._frozen_engines]:
-            if engine is not None:
-                engine.destroy()
+        self._post_training.destroy()
+        if self.engine is not None:
+            self.engine.destroy()
         self.engine = None
-        self._frozen_engines = []
 
 
 def _name(choice: Any) -> str:

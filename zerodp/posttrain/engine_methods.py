@@ -61,6 +61,11 @@ class PostTrainingMethods:
             layer_by_layer, blocks=blocks, prefetch_blocks=prefetch_blocks
         )
 
+    @property
+    def generation_block_open(self) -> bool:
+        """Whether a `gathered_for_generation()` block is running (it does not nest)."""
+        return self.posttrain.generation.is_open
+
     def full_parameters(
         self,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,

@@ -87,6 +87,11 @@ class GenerationGather:
         self.check_ready = check_ready  # outside backward, parameters on the device
         self.phase = GenerationPhase.OUTSIDE
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a `gathered_for_generation()` block is running (entering again would raise)."""
+        return self.phase is GenerationPhase.INSIDE
+
     @contextlib.contextmanager
     def gathered(
         self,
