@@ -11,8 +11,9 @@
    full buffers here);
 6. the reducer, the parameter runtime (stage 3, or its null object), the
    step gate and the autograd hooks connect them;
-7. the torch optimizer on the optimizer parameters, zerodp's optimizer
-   around it, the LR scheduler, the monitors and the data loader.
+7. the torch optimizers (on the optimizer parameters, or on whole tensors
+   for those that read whole tensors: `zerodp.optim.tensorwise`), zerodp's
+   optimizer around them, the LR scheduler, the monitors and the data loader.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from zerodp.comm.group import comms_timeout
 from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
+from zerodp.errors import ConfigError
 from zerodp.group import (
     GatherState,
     GroupIndex,
@@ -47,19 +49,26 @@ from zerodp.group import (
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
 from zerodp.monitor.sinks import Monitor
 from zerodp.monitor.training import TrainingReporter
-from zerodp.offload import OffloadPolicy, OffloadStorage
+from zerodp.offload import OffloadPolicy, OffloadStorage, Placement
 from zerodp.offload.setup import (
     add_model_staging,
     check_offload_storage,
     optimizer_copies,
     place_param_shards,
 )
-from zerodp.optim.factory import build_optimizer
+from zerodp.optim.factory import optimizer_sources
 from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
+from zerodp.optim.parts import build_parts
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
+from zerodp.optim.tensorwise import (
+    GroupLayout,
+    OwnerPlacement,
+    TensorwiseStep,
+    build_plan,
+)
 from zerodp.params.init import adopt_init_groups
 from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
@@ -89,6 +98,7 @@ class EngineParts:
     train_state: TrainState
     inner_optimizer: torch.optim.Optimizer
     optimizer: ZeroOptimizer
+    tensorwise: TensorwiseStep | None
     full_state: FullStateAccessor
     lr_scheduler: Any
     reporter: TrainingReporter
@@ -126,13 +136,19 @@ def assemble(
     strategy = strategy_for(zero.stage)
     policy = precision_policy(config)
     lifecycle = BackwardLifecycle()
-    specs = resolve_param_groups(module, model_parameters, user_optimizer)
+    offload = OffloadPolicy.from_config(zero, device)
+    specs, sources, step_shapes = optimizer_sources(
+        user_optimizer,
+        config.optimizer,
+        resolve_param_groups(module, model_parameters, user_optimizer),
+        {id(p): name for name, p in module.named_parameters()},
+        prefer_fused=offload.offloads_optimizer,
+    )
 
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     layout = _lay_out(module, config, comm, device, strategy, specs)
     _sync_from_rank0(module, layout, comm, device)
-    offload = OffloadPolicy.from_config(zero, device)
     storage = None
     if offload.offloads_optimizer or offload.offloads_params:
         check_offload_storage(layout.groups, offload, comm)
@@ -190,9 +206,16 @@ def assemble(
     apply_compile(module, config.compile, zero.stage)
 
     train_state = TrainState()
-    inner = _torch_optimizer(groups, specs, user_optimizer, config, host_step=offload)
+
+    def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
+        return _tensorwise_step(states, config, comm, device, offload, step_shapes)
+
+    parts = build_parts(
+        sources, [spec.options for spec in specs], groups.trainable, make_tensorwise
+    )
+    inner = parts.inner
     optimizer = ZeroOptimizer(
-        inner,
+        parts,
         reducer=reducer,
         comm=comm,
         states=groups.trainable,
@@ -223,12 +246,14 @@ def assemble(
         train_state=train_state,
         inner_optimizer=inner,
         optimizer=optimizer,
+        tensorwise=parts.tensorwise,
         full_state=FullStateAccessor(
             comm=comm,
             groups=groups,
             reducer=reducer,
             optimizer=inner,
             loss_scale=lambda: optimizer.loss_scaler.scale,
+            tensorwise=parts.tensorwise,
         ),
         lr_scheduler=_scheduler(lr_scheduler, config, inner, optimizer),
         reporter=TrainingReporter(
@@ -387,21 +412,36 @@ def _connect(
 # -- the optimizer side ------------------------------------------------------------------
 
 
-def _torch_optimizer(
-    groups: GroupIndex,
-    specs: list[ParamGroupSpec],
-    user_optimizer: Any,
+def _tensorwise_step(
+    states: list[GroupState],
     config: ZeroDPConfig,
-    host_step: OffloadPolicy,
-) -> torch.optim.Optimizer:
-    """The torch optimizer, on each trainable group's optimizer parameter."""
-    param_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
-    for state in groups.trainable:
-        if state.optim is not None:
-            param_groups[state.flat.param_group_index]["params"].append(state.optim.param)
-    return build_optimizer(
-        user_optimizer, config.optimizer, param_groups, prefer_fused=host_step.offloads_optimizer
-    )
+    comm: Comm,
+    device: torch.device,
+    offload: OffloadPolicy,
+    step_shapes: dict[str, tuple[int, ...]],
+) -> TensorwiseStep:
+    """The whole-tensor step for `states`' groups (see [Note: tensor-wise step])."""
+    if offload.optimizer is Placement.FILE:
+        raise ConfigError(
+            "an optimizer that reads whole tensors (Muon, Adafactor, any optimizer zerodp does "
+            "not know as elementwise) keeps its state with the rank that steps each tensor, "
+            "which NVMe optimizer offload does not support; use "
+            '"offload_optimizer": {"device": "cpu"} or none'
+        )
+    layouts = [
+        GroupLayout(
+            order=state.order,
+            names=tuple(state.names),
+            layout=state.flat.layout,
+            owns_full=state.flat.owns_full,
+            values_resident=state.persistent
+            and state.optim is not None
+            and state.optim.copy is None,
+        )
+        for state in states
+    ]
+    placement = OwnerPlacement(config.zero_optimization.tensorwise_placement)
+    return TensorwiseStep(build_plan(layouts, placement, step_shapes), states, comm, device)
 
 
 def _scheduler(

@@ -460,6 +460,7 @@ class ZeroEngine(DeepSpeedEngineMethods):
             gradients_held=self.gate.gradients_held,
             gradients_loaded=self.gate.on_gradients_loaded,
             before_save=self.optimizer.adopt_replaced_params,
+            whole_tensors=self.optimizer.parts.tensorwise,
         )
 
     # -- inspection --------------------------------------------------------------------

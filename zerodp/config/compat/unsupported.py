@@ -271,7 +271,6 @@ UNSUPPORTED_OPTIMIZERS: dict[str, tuple[str, str]] = {
         "pass optimizer= an instance from a Lion package (its update is elementwise, so "
         f"zerodp can shard it), or {_ADAMW}",
     ),
-    "muon": ("the Muon optimizer", f"its orthogonalization needs whole matrices; {_ADAMW}"),
     "muadam": ("muP optimizers", "build it with the mup package and pass optimizer="),
     "muadamw": ("muP optimizers", "build it with the mup package and pass optimizer="),
     "musgd": ("muP optimizers", "build it with the mup package and pass optimizer="),
