@@ -21,6 +21,7 @@ the bit.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 from dataclasses import dataclass
@@ -302,3 +303,96 @@ def test_muon_on_local_fragments_is_detectably_wrong(pools: Any, world_size: int
     assert result["num_fragments"] >= 2
     assert result["zerodp"] <= TOLERANCE, result
     assert result["fragments"] > 100 * TOLERANCE, result
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Each tensor moves by lr along its gradient's direction: reads the whole tensor's norm,
+    so a flat shard would see another update. zerodp does not know the class."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
+
+
+@zerodp.declare_elementwise
+class SignSGD(torch.optim.Optimizer):
+    """Each element moves by lr against its gradient's sign (Lion-like): declared elementwise."""
+
+    def __init__(self, params: Any, lr: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+PATH_CASES: dict[str, tuple[Any, bool]] = {
+    # name: (optimizer class or factory, steps whole tensors)
+    "adamw": (lambda params: torch.optim.AdamW(params, lr=1e-2), False),
+    "unknown_normalized_sgd": (NormalizedSGD, True),
+    "declared_sign_sgd": (SignSGD, False),
+    "adafactor_from_callable": (lambda params: torch.optim.Adafactor(params, lr=1e-2), True),
+    "adamw_from_callable": (lambda params: torch.optim.AdamW(params, lr=1e-2), False),
+}
+
+
+def path_cases() -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (make, whole) in PATH_CASES.items():
+        torch.manual_seed(0)
+        model = LayoutNet()
+        reference = ReferenceDP(copy.deepcopy(model), make)
+        given = make if name.endswith("_callable") else make(model.parameters())
+        config = zerodp_config(2, persistence_threshold=0)
+        engine, _, _, _ = zerodp.initialize(model=model, config=config, optimizer=given)
+        errors = _train(engine, reference, 1, 2)
+        out[name] = {"whole": engine.optimizer.parts.tensorwise is not None, "error": max(errors)}
+        out[name]["expected_whole"] = whole
+        engine.destroy()
+    return out
+
+
+def refusals() -> dict[str, str]:
+    """The error each rank raises for an optimizer or setting zerodp cannot step."""
+    found = {}
+    attempts: dict[str, tuple[Any, dict[str, Any]]] = {
+        "lbfgs": (lambda m: torch.optim.LBFGS(m.parameters()), {}),
+        "muon_nvme": (
+            lambda m: torch.optim.Adafactor(m.parameters()),
+            {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/zerodp-unused"}},
+        ),
+    }
+    for name, (make, zero) in attempts.items():
+        model = LayoutNet()
+        config = zerodp_config(2, zero=zero)
+        try:
+            zerodp.initialize(model=model, config=config, optimizer=make(model))
+        except (TypeError, ValueError) as error:
+            found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def test_path_follows_the_optimizer_class(pools: Any) -> None:
+    """torch's elementwise classes and declared ones step flat shards; the rest whole tensors,
+    a class zerodp does not know included, exact either way (world size 3, stage 2)."""
+    for rank_result in pools(3).run(path_cases):
+        for name, result in rank_result.items():
+            assert result["whole"] == result["expected_whole"], (name, result)
+            assert result["error"] <= TOLERANCE, (name, result)
+
+
+def test_what_cannot_be_stepped_is_refused_on_every_rank(pools: Any) -> None:
+    results = pools(2).run(refusals)
+    assert results[0] == results[1]
+    assert "TypeError: zerodp cannot step LBFGS" in results[0]["lbfgs"], results
+    assert "NVMe optimizer offload does not support" in results[0]["muon_nvme"], results
+    assert '"device": "cpu"' in results[0]["muon_nvme"], results
