@@ -208,11 +208,18 @@ def assemble(
     train_state = TrainState()
 
     def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
-        return _tensorwise_step(states, config, comm, device, offload, step_shapes)
+        return _tensorwise_step(states, config, comm, device, step_shapes)
 
     parts = build_parts(
         sources, [spec.options for spec in specs], groups.trainable, make_tensorwise
     )
+    if parts.tensorwise is not None and offload.optimizer is Placement.FILE:
+        raise ConfigError(
+            "an optimizer that reads whole tensors (Muon, Adafactor, any optimizer zerodp does "
+            "not know as elementwise) keeps its state with the rank that steps each tensor, "
+            "which NVMe optimizer offload does not support; use "
+            '"offload_optimizer": {"device": "cpu"} or none'
+        )
     inner = parts.inner
     optimizer = ZeroOptimizer(
         parts,
@@ -417,17 +424,9 @@ def _tensorwise_step(
     config: ZeroDPConfig,
     comm: Comm,
     device: torch.device,
-    offload: OffloadPolicy,
     step_shapes: dict[str, tuple[int, ...]],
 ) -> TensorwiseStep:
     """The whole-tensor step for `states`' groups (see [Note: tensor-wise step])."""
-    if offload.optimizer is Placement.FILE:
-        raise ConfigError(
-            "an optimizer that reads whole tensors (Muon, Adafactor, any optimizer zerodp does "
-            "not know as elementwise) keeps its state with the rank that steps each tensor, "
-            "which NVMe optimizer offload does not support; use "
-            '"offload_optimizer": {"device": "cpu"} or none'
-        )
     layouts = [
         GroupLayout(
             order=state.order,

@@ -44,8 +44,10 @@ from tests.tensorwise_setup import (
     newton_schulz,
 )
 from zerodp.testing import ReferenceDP
+from zerodp.testing.parity import MIXED_TOLERANCE as _MIXED
 
 TOLERANCE = 1e-6
+MIXED_TOLERANCE = dict(_MIXED[torch.bfloat16])
 STEPS = 3
 FULL = os.environ.get("ZERODP_TENSORWISE_FULL") == "1"
 
@@ -58,13 +60,19 @@ class Case:
     init: bool
     offload: bool
     ns: str = "fp32"  # Muon's Newton-Schulz precision on both sides
+    dtype: str = "fp32"  # bf16: the fp32 masters against the reference's hand-written recipe
 
     @property
     def label(self) -> str:
         return (
             f"{self.recipe} stage {self.stage} gas {self.gas} init={self.init} "
-            f"offload={self.offload} ns={self.ns}"
+            f"offload={self.offload} ns={self.ns} {self.dtype}"
         )
+
+    @property
+    def tolerance(self) -> dict[str, float]:
+        """fp32: 1e-6. bf16: the tolerance every mixed-precision parity test uses."""
+        return {"atol": TOLERANCE, "rtol": 0.0} if self.dtype == "fp32" else MIXED_TOLERANCE
 
 
 def _product(recipe: str) -> list[Case]:
@@ -90,6 +98,11 @@ def cases(world_size: int) -> list[Case]:
         chosen += [c for c in _product("muon_config") if c.gas == 4 and c.init != c.offload]
     if world_size == 2:  # zerodp's summation order is the reference's: stock bf16, to the bit
         chosen += [Case("muon_list", stage, 1, False, False, ns="bf16") for stage in range(4)]
+        chosen += [
+            Case(recipe, stage, 2, False, False, dtype="bf16")
+            for recipe in ("adafactor", "muon_list")
+            for stage in range(4)
+        ]
     return chosen
 
 
@@ -103,6 +116,7 @@ def _config(case: Case, recipe_config: dict[str, Any] | None) -> dict[str, Any]:
         case.stage,
         gas=case.gas,
         optimizer=recipe_config,
+        dtype=case.dtype,
         persistence_threshold=0,
         zero=zero,
     )
@@ -122,65 +136,85 @@ def _build(case: Case) -> tuple[zerodp.ZeroEngine, torch.nn.Module, ReferenceDP]
         model = LayoutNet()
     optimizer, _ = recipe.for_engine(model)
     engine, _, _, _ = zerodp.initialize(model=model, config=config, optimizer=optimizer)
+    mixed = case.dtype == "bf16"
     reference = ReferenceDP(
         reference_model,
         lambda params: recipe.for_reference(list(params)),
+        dtype=torch.bfloat16 if mixed else torch.float32,
+        # zerodp keeps accumulated gradients in fp32, one micro-batch's in the model's dtype
+        grad_dtype=torch.float32 if case.gas > 1 or not mixed else torch.bfloat16,
         defer_reduction=case.stage in (0, 1) and case.gas > 1,
     )
     return engine, model, reference
 
 
-def _max_weight_error(model: torch.nn.Module, reference: ReferenceDP) -> float:
+def _excess(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 0.0) -> float:
+    """max |actual - expected| - rtol |expected|: within `atol` when at most `atol`."""
+    if not expected.numel():
+        return 0.0
+    return ((actual - expected).abs() - rtol * expected.abs()).max().item()
+
+
+def _max_weight_error(model: torch.nn.Module, reference: ReferenceDP, rtol: float = 0.0) -> float:
+    """Over every parameter: the fp32 values (the masters under bf16) against the reference's."""
     worst = 0.0
     for param, ref_param in zip(model.parameters(), reference.model.parameters(), strict=True):
         full = zerodp.utils.safe_get_full_fp32_param(param)
-        worst = max(worst, (full - ref_param.detach()).abs().max().item())
+        worst = max(worst, _excess(full, reference.master(ref_param), rtol))
     return worst
 
 
-def _max_state_error(model: torch.nn.Module, reference: ReferenceDP) -> tuple[float, int]:
+def _max_state_error(
+    model: torch.nn.Module, reference: ReferenceDP, rtol: float = 0.0
+) -> tuple[float, int]:
     """(largest difference, number of state tensors compared) over every state key."""
     worst, compared = 0.0, 0
     stepper = reference.optimizer
     for param, ref_param in zip(model.parameters(), reference.model.parameters(), strict=True):
-        for key, expected in stepper.state_of(ref_param).items():  # type: ignore[union-attr]
+        stepped = reference.stepped[id(ref_param)]  # the master under bf16
+        for key, expected in stepper.state_of(stepped).items():  # type: ignore[union-attr]
             if not isinstance(expected, torch.Tensor):
                 continue
             actual = zerodp.utils.safe_get_full_optimizer_state(param, key)
             if actual is None:
                 return float("inf"), compared
             actual = actual.reshape(expected.shape).to(expected.dtype)
-            worst = max(worst, (actual - expected).abs().max().item() if expected.numel() else 0)
+            worst = max(worst, _excess(actual, expected, rtol))
             compared += 1
     return worst, compared
 
 
-def _train(engine: zerodp.ZeroEngine, reference: ReferenceDP, gas: int, steps: int) -> list[float]:
+def _train(
+    engine: zerodp.ZeroEngine, reference: ReferenceDP, gas: int, steps: int, rtol: float = 0.0
+) -> list[float]:
     """`steps` optimizer steps on both sides; the weight error after each."""
     rank, errors = dist.get_rank(), []
     model = engine.module
     for step in range(steps):
         for micro in range(gas):
             x = layout_inputs(rank, step, micro)
-            engine.backward(layout_loss(engine(x)))
+            engine.backward(layout_loss(engine(x).float()))
             reference.run_backward(
-                lambda x=x: (layout_loss(reference.model(x)) / gas).backward()  # type: ignore[misc]
+                lambda x=x: (  # type: ignore[misc]
+                    layout_loss(reference.model(x.to(reference.dtype)).float()) / gas
+                ).backward()
             )
             engine.step()
         if reference.defer_reduction:
             reference.reduce_local()
         reference.step()
         reference.zero_grad()
-        errors.append(_max_weight_error(model, reference))
+        errors.append(_max_weight_error(model, reference, rtol))
     return errors
 
 
 def _run_case(case: Case) -> dict[str, Any]:
     with newton_schulz(case.ns):
         engine, model, reference = _build(case)
+        rtol = case.tolerance["rtol"]
         initial = _max_weight_error(model, reference)
-        errors = _train(engine, reference, case.gas, STEPS)
-        state_error, compared = _max_state_error(model, reference)
+        errors = _train(engine, reference, case.gas, STEPS, rtol)
+        state_error, compared = _max_state_error(model, reference, rtol)
         facts = layout_facts(engine) if case.stage else {}
         whole = engine.optimizer.parts.tensorwise
         engine.destroy()
@@ -207,9 +241,10 @@ def test_whole_tensor_optimizers_match_one_process(pools: Any, world_size: int) 
         case: Case = result["case"]
         assert result["whole"], f"{case.label}: no optimizer stepped whole tensors"
         assert result["initial"] == 0.0, f"{case.label}: the models start apart"
+        atol = case.tolerance["atol"]
         for step, error in enumerate(result["errors"]):
-            assert error <= TOLERANCE, f"{case.label}: step {step}: weights off by {error:.3g}"
-        assert result["state_error"] <= TOLERANCE, (
+            assert error <= atol, f"{case.label}: step {step}: weights off by {error:.3g}"
+        assert result["state_error"] <= atol, (
             f"{case.label}: optimizer state off by {result['state_error']:.3g}"
         )
         assert result["states_compared"] >= 7, f"{case.label}: state not compared"

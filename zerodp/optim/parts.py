@@ -179,18 +179,24 @@ class OptimizerChain(torch.optim.Optimizer):
     def __init__(self, parts: list[OptimizerPart], sources: Sequence[OptimizerSource]) -> None:
         self.parts = [part.optimizer for part in parts]
         self.defaults: dict[str, Any] = {}
-        by_index: dict[int, tuple[int, dict[str, Any]]] = {}
-        for number, (optimizer, source) in enumerate(zip(self.parts, sources, strict=True)):
-            for index, group in zip(source.groups, optimizer.param_groups, strict=True):
-                by_index[index] = (number, group)
-        self.param_groups = [by_index[i][1] for i in sorted(by_index)]
-        self._part_of_group = [by_index[i][0] for i in sorted(by_index)]
+        # (part, its own group index) for each engine param group, in the engine's order.
+        order = sorted(
+            (index, number, local)
+            for number, source in enumerate(sources)
+            for local, index in enumerate(source.groups)
+        )
+        self._where = [(number, local) for _, number, local in order]
+        self._share()
+        init_optimizer_hook_dicts(self)
+
+    def _share(self) -> None:
+        """The parts' group dictionaries in the engine's order, and one state dictionary."""
+        self.param_groups = [self.parts[n].param_groups[local] for n, local in self._where]
         shared: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         for optimizer in self.parts:
             shared.update(optimizer.state)
             optimizer.state = shared
         self.state = shared
-        init_optimizer_hook_dicts(self)
 
     @property
     def class_label(self) -> str:
@@ -199,7 +205,32 @@ class OptimizerChain(torch.optim.Optimizer):
 
     def group_defaults(self, index: int) -> dict[str, Any]:
         """The defaults of the part that steps param group `index`."""
-        return self.parts[self._part_of_group[index]].defaults
+        return self.parts[self._where[index][0]].defaults
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load `state_dict()`'s output: each part gets its own groups and their state."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self._where):
+            raise ValueError(
+                f"the state dict has {len(groups)} param groups, this optimizer {len(self._where)}"
+            )
+        for number, optimizer in enumerate(self.parts):
+            mine = sorted(
+                (local, groups[i]) for i, (n, local) in enumerate(self._where) if n == number
+            )
+            renumber: dict[int, int] = {}
+            part_groups = []
+            for _, group in mine:
+                ids = [renumber.setdefault(i, len(renumber)) for i in group["params"]]
+                part_groups.append({**group, "params": ids})
+            state = {renumber[i]: v for i, v in state_dict["state"].items() if i in renumber}
+            optimizer.load_state_dict({"state": state, "param_groups": part_groups})
+        self._share()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "zerodp lays out parameters once, at zerodp.initialize; pass every param group there"
+        )
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
