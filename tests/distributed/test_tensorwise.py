@@ -10,9 +10,11 @@ product runs in one spawn per world size.
 
 ZERODP_TENSORWISE_FULL=1 runs the whole product: stages 0-3 x accumulation 1 and 4 x zero.Init
 on/off x optimizer offload on/off (offload needs stages 1-3) x Adafactor, Muon + AdamW handed as
-a list and the config's DeepSpeed-style "Muon", at world sizes 2 and 3 (190 cases, about two
-minutes here). The default run takes every stage x accumulation for Adafactor and the list,
-each once plain and once with zero.Init and offload together, and the config recipe on four.
+a list and the config's DeepSpeed-style "Muon", at world sizes 2 and 3 (168 cases), plus the
+cases below (180 in all, about 1.5 minutes here). The default run takes every stage x
+accumulation for Adafactor and the list, each once plain and once with zero.Init and offload
+together, and the config recipe on four. bf16 (the fp32 masters against the reference's
+hand-written recipe, at the mixed-precision tolerance) runs at world size 2 for every stage.
 Muon's Newton-Schulz runs in fp32 on both sides here (see
 `tests.tensorwise_setup.newton_schulz_fp32` for why); torch's own bf16 iteration is checked
 where zerodp sums the gradients in the reference's order (world size 2, one micro-batch), to
