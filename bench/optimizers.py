@@ -56,6 +56,7 @@ from zerodp.optim.muon_config import uses_muon  # noqa: E402
 MUON = {"lr": 0.02, "adam_lr": 3e-3, "weight_decay": 0.01}
 ADAFACTOR_LR = 1e-2
 ADAMW_LR = 3e-3
+MICRO_BATCH = 4  # sequences per rank per optimizer step (split in two with accumulation 2)
 
 
 class Decoder(nn.Module):
@@ -101,7 +102,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=2, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats")
     p.add_argument("--distance-steps", type=int, default=4)
@@ -120,7 +120,7 @@ def rank0_print(*args: Any) -> None:
 
 def batch(args: argparse.Namespace, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(9_000 + 100 * step + rank)
-    data = torch.randint(args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+    data = torch.randint(args.vocab, (MICRO_BATCH, args.seq + 1), generator=gen)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
@@ -134,7 +134,7 @@ def global_batch(args: argparse.Namespace, step: int) -> tuple[torch.Tensor, tor
 
 def zerodp_engine(model: nn.Module, stage: int, kind: str, gas: int = 1, **zero: Any) -> Any:
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 4 // gas,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH // gas,
         "gradient_accumulation_steps": gas,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **zero},
     }
@@ -343,7 +343,7 @@ def deepspeed_engine(model: nn.Module, stage: int, gas: int, kind: str = "Muon")
     zero: dict[str, Any] = {"stage": stage, "stage3_param_persistence_threshold": 0}
     optimizer = None
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 4 // gas,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH // gas,
         "gradient_accumulation_steps": gas,
         "zero_optimization": zero,
         "steps_per_print": 1 << 30,
@@ -373,7 +373,7 @@ def trained(
     else:
         engine = deepspeed_engine(model, stage, gas)
         from deepspeed.utils import safe_get_full_fp32_param as full
-    per_micro = args.micro_batch // gas
+    per_micro = MICRO_BATCH // gas
     for index in range(args.distance_steps):
         tokens, targets = batch(args, 100 + index, rank)
         for micro in range(gas):
