@@ -30,6 +30,7 @@ from zerodp.errors import (
     UsageError,
     ZeroDPError,
 )
+from zerodp.optim.tensorwise import declare_elementwise
 from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
 
 __version__ = "0.1.0"
@@ -57,6 +58,7 @@ __all__ = [
     "ZeroDPConfig",
     "ZeroDPError",
     "ZeroEngine",
+    "declare_elementwise",
     "initialize",
     "utils",
     "zero",
@@ -76,6 +78,10 @@ def initialize(
     config_params: Any = None,
 ) -> tuple[ZeroEngine, Any, Any, Any]:
     """Wrap `model` in a ZeRO engine; returns (engine, optimizer, dataloader, lr_scheduler).
+
+    `optimizer` is a torch optimizer built on the model's parameters, a list of them
+    (each on its own parameters: torch's Muon for the matrices and AdamW for the
+    rest), a callable(param_groups) -> optimizer, or None for the config's block.
 
     `config` is a dict, a path to a JSON file, or a ZeroDPConfig (DeepSpeed's
     `config_params` is accepted as an alias). The process group is set up from

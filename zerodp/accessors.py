@@ -8,6 +8,7 @@ ranks' shards, so user code can inspect or set one parameter whatever the stage.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
 from zerodp.group import GroupIndex, GroupState
+from zerodp.optim.tensorwise import ALL_RANKS, TensorTask, TensorwiseStep
 
 
 class FullStateAccessor:
@@ -28,12 +30,14 @@ class FullStateAccessor:
         reducer: GradientReducer,
         optimizer: torch.optim.Optimizer,
         loss_scale: Callable[[], float] = lambda: 1.0,
+        tensorwise: TensorwiseStep | None = None,
     ) -> None:
         self.comm = comm
         self.groups = groups
         self.reducer = reducer
         self.optimizer = optimizer
         self.loss_scale = loss_scale
+        self.tensorwise = tensorwise
 
     def full_grad(self, param: nn.Parameter) -> torch.Tensor | None:
         """The averaged gradient; under fp16 loss scaling, unscaled and in fp32."""
@@ -66,10 +70,20 @@ class FullStateAccessor:
         found[0].write_param(found[1], value)
 
     def full_optimizer_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
+        """The whole state `key` of `param`; for a parameter stepped whole, in the shape the
+        optimizer keeps it (Adafactor's row moment of a matrix is rows x 1), sent by its owner."""
         found = self.groups.lookup(param)
         if found is None or found[0].optim is None:
             return None
         state, position = found
+        whole = self._whole(state, position)
+        if whole is not None:
+            task, stepped = whole
+            value = None if stepped is None else self.optimizer.state.get(stepped, {}).get(key)
+            if task.owner == ALL_RANKS:  # stage 0: every rank holds it
+                return _detached(value)
+            sent = self.comm.broadcast_object(_detached(value, "cpu"), src=task.owner)
+            return sent if not isinstance(sent, torch.Tensor) else sent.to(state.flat.device)
         owned = state.optim.param  # type: ignore[union-attr]
         value = self.optimizer.state.get(owned, {}).get(key)
         if not isinstance(value, torch.Tensor) or value.numel() != owned.numel():
@@ -101,16 +115,32 @@ class FullStateAccessor:
         return self._owned_part(state, position, state.value_of_owned()).float().clone()
 
     def local_optimizer_state(self, param: nn.Parameter, key: str) -> torch.Tensor | None:
-        """This rank's part of the optimizer state `key` of `param` (scalar state as it is)."""
+        """This rank's part of the optimizer state `key` of `param` (scalar state as it is);
+        for a parameter stepped whole, the whole state flattened on the rank that steps it,
+        None on the others."""
         found = self.groups.lookup(param)
         if found is None or found[0].optim is None:
             return None
         state, position = found
+        whole = self._whole(state, position)
+        if whole is not None:
+            stepped = whole[1]
+            value = None if stepped is None else self.optimizer.state.get(stepped, {}).get(key)
+            return value.detach().reshape(-1).clone() if isinstance(value, torch.Tensor) else value
         owned = state.optim.param  # type: ignore[union-attr]
         value = self.optimizer.state.get(owned, {}).get(key)
         if not isinstance(value, torch.Tensor) or value.numel() != owned.numel():
             return value
         return self._owned_part(state, position, value).clone()
+
+    def _whole(
+        self, state: GroupState, position: int
+    ) -> tuple[TensorTask, nn.Parameter | None] | None:
+        """(the plan's task, this rank's whole-tensor parameter or None) for a parameter an
+        optimizer steps whole; None for one stepped on flat shards."""
+        if self.tensorwise is None:
+            return None
+        return self.tensorwise.task_and_param(state.order, position)
 
     @staticmethod
     def _owned_part(state: GroupState, position: int, owned: torch.Tensor) -> torch.Tensor:
@@ -131,3 +161,9 @@ class FullStateAccessor:
         full = torch.empty(flat.padded_numel, dtype=owned.dtype, device=owned.device)
         self.comm.all_gather(full, owned)
         return full[start:end].clone().view(shape)
+
+
+def _detached(value: Any, device: str | None = None) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().clone() if device is None else value.detach().to(device, copy=True)

@@ -322,7 +322,7 @@ def test_several_errors_are_all_reported() -> None:
         (
             {"optimizer": {"type": "Adamm"}},
             "'optimizer.type': got 'Adamm'; allowed: 'Adam', 'AdamW', 'SGD', 'Adagrad', "
-            "'Adamax' or 'RMSprop'",
+            "'Adamax', 'RMSprop' or 'Muon'",
         ),
         (
             {"optimizer": {"type": "Adam", "params": 3}},

@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zerodp.checkpoint import tensors
 from zerodp.checkpoint.sharded import quiet_sharded_tensor_warnings
 from zerodp.checkpoint.subject import CheckpointSubject
 from zerodp.errors import CheckpointError
-from zerodp.group import GroupState
 
 
 def fresh_tensors(saved: dict[str, TensorStorageMetadata], prefix: str) -> dict[str, Any]:
@@ -49,14 +49,17 @@ def model_destinations(subject: CheckpointSubject, saved: dict[str, Any]) -> dic
     return destinations
 
 
-PlannedState = dict[GroupState, dict[str, torch.Tensor]]
+PlannedState = dict[nn.Parameter, dict[str, torch.Tensor]]  # by the optimizer's parameter
 
 
 def optimizer_destinations(
     subject: CheckpointSubject, saved: dict[str, Any], planned: PlannedState
 ) -> dict[str, Any]:
     """The optimizer state's destinations, including state `planned` for a fresh optimizer."""
-    saved_optim = {k for k in saved if k.startswith("optim.")}
+    elsewhere = _held_elsewhere(subject)
+    saved_optim = {
+        k for k in saved if k.startswith("optim.") and _state_owner_name(k) not in elsewhere
+    }
     if not saved_optim:
         return {}
     wanted = tensors.optimizer_tensors(subject, planned)
@@ -71,6 +74,17 @@ def optimizer_destinations(
     return wanted
 
 
+def _state_owner_name(key: str) -> str:
+    """The parameter name in `optim.<name>.<key>` (torch's state keys have no dots)."""
+    return key.removeprefix("optim.").rsplit(".", 1)[0]
+
+
+def _held_elsewhere(subject: CheckpointSubject) -> set[str]:
+    """Parameters stepped whole by other ranks: their state is not this rank's to load."""
+    whole = subject.whole_tensors
+    return set() if whole is None else whole.names - set(whole.owned_params())
+
+
 def plan_missing_state(subject: CheckpointSubject, saved: dict[str, Any]) -> PlannedState:
     """The state a fresh torch optimizer creates only at its first step, shaped as saved.
 
@@ -79,12 +93,30 @@ def plan_missing_state(subject: CheckpointSubject, saved: dict[str, Any]) -> Pla
     """
     existing = subject.optimizer.state
     planned: PlannedState = {}
+    whole = subject.whole_tensors
+    if whole is not None:
+        for name, param in whole.owned_params().items():
+            if existing.get(param):
+                continue
+            slots = {
+                _slot(key, name): torch.zeros(
+                    meta.size, dtype=meta.properties.dtype, device=param.device
+                )
+                if len(meta.size)
+                else torch.zeros((), dtype=meta.properties.dtype)
+                for key, meta in saved.items()
+                if key.startswith(f"optim.{name}.") and _state_owner_name(key) == name
+            }
+            if slots:
+                planned[param] = slots
     for entry in tensors.param_entries(subject):
         state = entry.state
         if state is None or state.optim is None or existing.get(state.optim.param):
             continue
+        if whole is not None and entry.name in whole.names:
+            continue
         owned = state.optim.param
-        slots = planned.setdefault(state, {})
+        slots = planned.setdefault(owned, {})
         prefix = f"optim.{entry.name}."
         for key, meta in saved.items():
             slot = key.removeprefix(prefix)
@@ -95,13 +127,16 @@ def plan_missing_state(subject: CheckpointSubject, saved: dict[str, Any]) -> Pla
                 slots[slot] = torch.zeros((), dtype=dtype)
             else:
                 slots[slot] = torch.zeros_like(owned, dtype=dtype)
-    return {state: slots for state, slots in planned.items() if slots}
+    return {param: slots for param, slots in planned.items() if slots}
+
+
+def _slot(key: str, name: str) -> str:
+    return key.removeprefix(f"optim.{name}.")
 
 
 def attach_planned_state(subject: CheckpointSubject, planned: PlannedState) -> None:
-    for state, slots in planned.items():
-        if state.optim is not None:
-            subject.optimizer.state[state.optim.param] = slots
+    for param, slots in planned.items():
+        subject.optimizer.state[param] = slots
 
 
 def check_kinds(destinations: dict[str, Any], saved: dict[str, Any], metadata: Any) -> None:

@@ -22,7 +22,7 @@ class OptimizerSettings:
             to_jsonable({k: v for k, v in group.items() if k != "params"})
             for group in self.optimizer.param_groups
         ]
-        return {"class": type(self.optimizer).__name__, "param_groups": groups}
+        return {"class": _class_label(self.optimizer), "param_groups": groups}
 
     def check_state_dict(self, state: Any) -> None:
         """The same optimizer class, param-group count and hyperparameter names, and values
@@ -33,7 +33,7 @@ class OptimizerSettings:
                 "checkpoint optimizer settings: expected a list of param-group objects; the "
                 "checkpoint's zerodp_state.json is damaged"
             )
-        saved_class, current_class = state.get("class"), type(self.optimizer).__name__
+        saved_class, current_class = state.get("class"), _class_label(self.optimizer)
         if saved_class != current_class:
             raise CheckpointError(
                 f"the checkpoint was saved with optimizer {saved_class}, this engine uses "
@@ -48,8 +48,8 @@ class OptimizerSettings:
                 f"{len(current)}; build the optimizer with the same param groups, or pass "
                 "load_optimizer_states=False to load the weights only"
             )
-        names = sorted(set(self.optimizer.defaults) - {"params"})
         for index, (saved, live) in enumerate(zip(groups, current, strict=True)):
+            names = sorted(set(_group_defaults(self.optimizer, index)) - {"params"})
             missing = [name for name in names if name not in saved]
             if missing:
                 raise CheckpointError(
@@ -74,6 +74,18 @@ class OptimizerSettings:
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
             for key, value in saved.items():
                 group[key] = from_jsonable(value)
+
+
+def _class_label(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class, or its parts' classes ("Muon+AdamW") for several optimizers
+    stepped as one (`zerodp.optim.parts.OptimizerChain`)."""
+    return str(getattr(optimizer, "class_label", type(optimizer).__name__))
+
+
+def _group_defaults(optimizer: torch.optim.Optimizer, index: int) -> dict[str, Any]:
+    """The hyperparameter defaults of the optimizer that steps param group `index`."""
+    per_group = getattr(optimizer, "group_defaults", None)
+    return dict(per_group(index)) if callable(per_group) else dict(optimizer.defaults)
 
 
 class SchedulerState:

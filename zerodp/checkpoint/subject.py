@@ -29,6 +29,17 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
+class WholeTensorState(Protocol):
+    """The parameters an optimizer steps whole (see `zerodp.optim.tensorwise`): their optimizer
+    state is held, whole and in its own shape, by the rank that steps each one."""
+
+    names: set[str]  # every parameter stepped whole, by name
+
+    def owned_params(self) -> dict[str, nn.Parameter]:
+        """The whole-tensor optimizer parameters this rank steps, by model parameter name."""
+        ...
+
+
 class CheckedStateful(Stateful, Protocol):
     """A JSON piece that can say, before anything is loaded, whether a saved state fits it."""
 
@@ -70,3 +81,4 @@ class CheckpointSubject:
     # Values written by `param.data = t` since the last step go into the groups first, so
     # that the save holds what the model shows (see `FlatGroup.adopt_replaced`).
     before_save: Callable[[], None] = lambda: None
+    whole_tensors: WholeTensorState | None = None  # None: every optimizer steps flat shards

@@ -4,12 +4,16 @@ Every tensor is saved as the flattened (1-D) tensor of one parameter, under
 `model.<name>` (the model's values), `master.<name>` (the optimizer copy, fp32
 master weights under mixed precision) and `optim.<name>.<key>` (optimizer
 state: per-element state such as `exp_avg` 1-D, scalar state such as `step`
-0-d). Each rank contributes the part it holds: a part of a flat group's
-shard is a 1-D chunk `[start, start + length)` of a parameter, described to
-DCP as a shard of a ShardedTensor (`zerodp.checkpoint.sharded`). Replicated
-values (stage 0, persistent groups, buffers) are plain tensors, which DCP
-writes once. DCP reshards on load: any stage and world size can load any
-other's checkpoint, since the keys and global shapes never change.
+0-d). Each rank contributes the part it holds: a part of a flat group's shard
+is a 1-D chunk `[start, start + length)` of a parameter, described to DCP as
+a shard of a ShardedTensor (`zerodp.checkpoint.sharded`). Replicated values
+(stage 0, persistent groups, buffers) are plain tensors, which DCP writes
+once. The state of a parameter an optimizer steps whole (Muon's momentum,
+Adafactor's row and column moments; see `zerodp.optim.tensorwise`) is saved
+in its own shape by the rank that holds it (every rank at stage 0, written
+once). DCP reshards on load: any stage and world size can load any other's
+checkpoint, since the keys and global shapes never change; a parameter's
+whole-tensor state goes to whichever rank steps it in the loading engine.
 
 The same plan gives the destinations for loading: views into the engine's
 own buffers, so DCP writes the loaded values in place.
@@ -111,20 +115,32 @@ def master_tensors(subject: CheckpointSubject) -> dict[str, Any]:
 
 def optimizer_tensors(
     subject: CheckpointSubject,
-    planned: dict[GroupState, dict[str, torch.Tensor]] | None = None,
+    planned: dict[nn.Parameter, dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, Any]:
-    """`optim.<name>.<key>`: per-element state sharded like the masters; scalar state replicated.
+    """`optim.<name>.<key>`: per-element state sharded like the masters; scalar state replicated;
+    the state of a parameter stepped whole, whole, from the rank that holds it.
 
-    `planned` stands in for the state of groups whose optimizer has none yet.
+    `planned` stands in for the state of optimizer parameters that have none yet.
     """
     optimizer_state = subject.optimizer.state
+    whole = subject.whole_tensors
     out: dict[str, Any] = {}
+    if whole is not None:
+        for name, param in whole.owned_params().items():
+            slots = (planned or {}).get(param) or optimizer_state.get(param, {})
+            for key, value in slots.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim.{name}.{key}"] = value
     for entry in param_entries(subject):
         state = entry.state
-        if state is None or state.optim is None:
+        if (
+            state is None
+            or state.optim is None
+            or (whole is not None and entry.name in whole.names)
+        ):
             continue
         owned = state.optim.param
-        slots = (planned or {}).get(state) or optimizer_state.get(owned, {})
+        slots = (planned or {}).get(owned) or optimizer_state.get(owned, {})
         for key, value in slots.items():
             if not isinstance(value, torch.Tensor):
                 continue

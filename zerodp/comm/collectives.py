@@ -4,7 +4,10 @@ Every collective zerodp issues goes through `Comm`, so the benchmarks and the
 tests that check ZeRO's communication volume read one set of counters.
 Bytes are those of the full (unsharded) tensor a collective operates on: an
 all-reduce of n elements, a reduce-scatter whose input has n elements and an
-all-gather whose output has n elements each count n * element size.
+all-gather whose output has n elements each count n * element size; an
+all-to-all counts the bytes this rank sends to the others (its own split,
+which never leaves the rank, is not counted), so that the sum over ranks is
+the traffic.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class CollectiveKind(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
 
 
 @dataclass
@@ -212,6 +216,38 @@ class Comm:
         self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output))
         work = _all_gather_single(output, input, group=self.group, async_op=async_op)
         return self._in_flight_handle(work) if async_op else _DONE
+
+    @recorded("all_to_all")
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> None:
+        """Split `input` by `input_splits` and send split r to rank r; receive from each rank
+        r its split for this rank into `output`, in rank order (`output_splits`).
+
+        Every rank must pass splits that agree: what rank a sends rank b is what rank b
+        expects from rank a.
+        """
+        if sum(input_splits) != input.numel() or sum(output_splits) != output.numel():
+            raise ValueError(
+                f"all_to_all: splits {input_splits} -> {output_splits} do not add up to the "
+                f"tensors' {input.numel()} -> {output.numel()} elements"
+            )
+        if self.world_size == 1:
+            output.copy_(input)
+            return
+        sent = sum(n for r, n in enumerate(input_splits) if r != self.rank)
+        self.stats.record(CollectiveKind.ALL_TO_ALL, sent * input.element_size())
+        dist.all_to_all_single(
+            output,
+            input,
+            output_split_sizes=output_splits,
+            input_split_sizes=input_splits,
+            group=self.group,
+        )
 
     @recorded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:

@@ -86,6 +86,10 @@ class ZeroOptimizationConfig(Section):
     stage3_gather_16bit_weights_on_model_save: Bool = False
     leaf_module: LeafModuleConfig = LeafModuleConfig()
     stage3_check_order: Bool = True  # zerodp's: every rank issues stage 3 collectives alike
+    # zerodp's: who steps a tensor for an optimizer that reads whole tensors (docs/optimizers.md)
+    tensorwise_placement: Annotated[
+        Literal["holders", "balanced"], choice(("holders", "balanced"))
+    ] = "holders"
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
 

@@ -1,11 +1,14 @@
 """The `optimizer` section: a torch.optim class name and its constructor kwargs.
 
-Every optimizer type here is a torch.optim class whose update is elementwise,
-so it can step the flat shards ZeRO keeps; the engine builds it with
-`getattr(torch.optim, name)(groups, **kwargs)` from `torch_kwargs()`. Each
-params model lists exactly the keys that optimizer takes, with torch's
-defaults (DeepSpeed's for Adam's `weight_decay`), so a misspelled key is
-reported with the nearest valid one.
+Every optimizer type here but "Muon" is a torch.optim class whose update is
+elementwise (it steps the flat shards ZeRO keeps); the engine builds it with
+`getattr(torch.optim, name)(groups, **kwargs)` from `torch_kwargs()`. "Muon"
+is DeepSpeed's: torch's Muon for the matrices and Adam(W) for the rest, with
+DeepSpeed's parameter names and defaults (`MuonParams`; the engine splits the
+parameters in `zerodp.optim.muon_config`). Each params model lists exactly
+the keys that optimizer takes, with torch's defaults (DeepSpeed's for Adam's
+`weight_decay` and for Muon), so a misspelled key is reported with the
+nearest valid one.
 
 DeepSpeed's own optimizer names (`FusedAdam`, `CPUAdam`, ...) and its extra
 params (`bias_correction`, `torch_adam`, ...) are translated before these
@@ -122,6 +125,35 @@ class RMSpropParams(_NoFused):
     centered: Bool = False
 
 
+class MuonParams(Section):
+    """DeepSpeed's "Muon": `lr` for both halves unless `muon_lr` / `adam_lr` say otherwise;
+    `momentum` and `ns_method` are Muon's, `betas` and `eps` the auxiliary Adam's,
+    `weight_decay` both's. Defaults are DeepSpeed's (0.02 and 3e-4 as the halves' lr)."""
+
+    lr: PosFloat | None = None
+    muon_lr: PosFloat | None = None
+    adam_lr: PosFloat | None = None
+    momentum: NonNegFloat = 0.95
+    weight_decay: NonNegFloat = 0.0
+    betas: Betas = (0.9, 0.95)
+    eps: PosFloat = 1e-10
+    ns_method: Annotated[Literal["gram", "standard"], choice(("gram", "standard"))] = "gram"
+    adam_w_mode: Bool = True
+    per_head_muon: Bool = False
+
+    @model_validator(mode="after")
+    def _no_per_head(self) -> MuonParams:
+        if self.per_head_muon:
+            raise SectionRuleError(
+                ("per_head_muon",),
+                lambda k: (
+                    f"config key '{k[0]}': got true; zerodp orthogonalizes each matrix whole "
+                    f"(torch.optim.Muon); remove '{k[0]}' or set it to false"
+                ),
+            )
+        return self
+
+
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adam": AdamParams,
     "AdamW": AdamParams,
@@ -129,9 +161,10 @@ OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adagrad": AdagradParams,
     "Adamax": AdamaxParams,
     "RMSprop": RMSpropParams,
+    "Muon": MuonParams,
 }
 
-OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop"]
+OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Muon"]
 
 _NOT_TORCH_KWARGS = ("adam_w_mode",)
 
@@ -165,8 +198,11 @@ class OptimizerConfig(Section):
 
         DeepSpeed's "Adam" means decoupled weight decay unless `adam_w_mode` is
         false, so it maps to torch's AdamW by default. Switches left unset
-        (`foreach`, `fused`: null) are not passed, so torch chooses.
+        (`foreach`, `fused`: null) are not passed, so torch chooses. "Muon" is
+        two optimizers: see `zerodp.optim.muon_config`.
         """
+        if self.type == "Muon":
+            raise RuntimeError("internal error: Muon's config builds two optimizers")
         name: str = self.type
         if name == "Adam" and self.params["adam_w_mode"]:
             name = "AdamW"

@@ -11,13 +11,14 @@
    full buffers here);
 6. the reducer, the parameter runtime (stage 3, or its null object), the
    step gate and the autograd hooks connect them;
-7. the torch optimizer on the optimizer parameters, zerodp's optimizer
-   around it, the LR scheduler, the monitors and the data loader;
+7. the torch optimizers (on the optimizer parameters, or on whole tensors
+   for those that read whole tensors: `zerodp.optim.tensorwise`), zerodp's
+   optimizer around them, the LR scheduler, the monitors and the data loader;
 8. the post-training parts (generation, weight streaming, state offload).
 
 An engine with nothing to train is an inference engine (see [Note: inference
-engine] in `zerodp.posttrain`): step 7 builds an optimizer over no parameters
-and no scheduler.
+engine] in `zerodp.posttrain`): step 7 builds no optimizer of its own (one that
+refuses to step) and no scheduler.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from zerodp.comm.group import comms_timeout
 from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
+from zerodp.engine.optimizers import optimizer_parts, scheduler_for, tensorwise_step
 from zerodp.group import (
     GatherState,
     GroupIndex,
@@ -59,12 +61,15 @@ from zerodp.offload.setup import (
     optimizer_copies,
     place_param_shards,
 )
-from zerodp.optim.factory import build_optimizer
+from zerodp.optim.factory import optimizer_sources
 from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
-from zerodp.optim.schedulers import build_scheduler
+from zerodp.optim.parts import OptimizerSource
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
+from zerodp.optim.tensorwise import (
+    TensorwiseStep,
+)
 from zerodp.params.init import adopt_init_groups
 from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
@@ -73,11 +78,8 @@ from zerodp.partition.builder import ModelLayout, build_layout
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import (
     FrozenByEngine,
-    InferenceOptimizer,
     InferenceReason,
-    ModeDecision,
     decide_mode,
-    refusal_message,
 )
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
 from zerodp.precision.inputs import install_input_cast
@@ -109,6 +111,7 @@ class EngineParts:
     train_state: TrainState
     inner_optimizer: torch.optim.Optimizer
     optimizer: ZeroOptimizer
+    tensorwise: TensorwiseStep | None
     full_state: FullStateAccessor
     lr_scheduler: Any
     reporter: TrainingReporter
@@ -149,13 +152,23 @@ def assemble(
     lifecycle = BackwardLifecycle()
     decision = decide_mode(module, config.optimizer, user_optimizer)
     frozen = [FrozenByEngine(module)] if decision.reason is InferenceReason.NO_OPTIMIZER else []
+    offload = OffloadPolicy.from_config(zero, device)
     specs = resolve_param_groups(module, model_parameters, user_optimizer)
+    sources: list[OptimizerSource] = []
+    step_shapes: dict[str, tuple[int, ...]] = {}
+    if decision.trains:
+        specs, sources, step_shapes = optimizer_sources(
+            user_optimizer,
+            config.optimizer,
+            specs,
+            {id(p): name for name, p in module.named_parameters()},
+            prefer_fused=offload.offloads_optimizer,
+        )
 
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     layout = _lay_out(module, config, comm, device, strategy, specs)
     _sync_from_rank0(module, layout, comm, device)
-    offload = OffloadPolicy.from_config(zero, device)
     storage = None
     if offload.offloads_optimizer or offload.offloads_params:
         check_offload_storage(layout.groups, offload, comm)
@@ -213,9 +226,14 @@ def assemble(
     apply_compile(module, config.compile, zero.stage)
 
     train_state = TrainState()
-    inner = _torch_optimizer(groups, specs, user_optimizer, config, offload, decision)
+
+    def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
+        return tensorwise_step(states, config, comm, device, step_shapes)
+
+    parts = optimizer_parts(decision, sources, specs, groups, offload, make_tensorwise)
+    inner = parts.inner
     optimizer = ZeroOptimizer(
-        inner,
+        parts,
         reducer=reducer,
         comm=comm,
         states=groups.trainable,
@@ -257,15 +275,17 @@ def assemble(
         train_state=train_state,
         inner_optimizer=inner,
         optimizer=optimizer,
+        tensorwise=parts.tensorwise,
         full_state=FullStateAccessor(
             comm=comm,
             groups=groups,
             reducer=reducer,
             optimizer=inner,
             loss_scale=lambda: optimizer.loss_scaler.scale,
+            tensorwise=parts.tensorwise,
         ),
         lr_scheduler=(
-            _scheduler(lr_scheduler, config, inner, optimizer) if decision.trains else None
+            scheduler_for(lr_scheduler, config, inner, optimizer) if decision.trains else None
         ),
         reporter=TrainingReporter(
             Monitor.from_config(config.csv_monitor, config.tensorboard, rank=comm.rank),
@@ -419,53 +439,6 @@ def _connect(
         reducer.on_contributions_complete.connect(params.on_grads_complete),
     ]
     return handles, root_hooks
-
-
-# -- the optimizer side ------------------------------------------------------------------
-
-
-def _torch_optimizer(
-    groups: GroupIndex,
-    specs: list[ParamGroupSpec],
-    user_optimizer: Any,
-    config: ZeroDPConfig,
-    host_step: OffloadPolicy,
-    decision: ModeDecision,
-) -> torch.optim.Optimizer:
-    """The torch optimizer, on each trainable group's optimizer parameter (an inference
-    engine's has none)."""
-    if not decision.trains:
-        return InferenceOptimizer(refusal_message(decision, "optimizer.step()"))
-    param_groups: list[dict[str, Any]] = [{"params": [], **spec.options} for spec in specs]
-    for state in groups.trainable:
-        if state.optim is not None:
-            param_groups[state.flat.param_group_index]["params"].append(state.optim.param)
-    return build_optimizer(
-        user_optimizer, config.optimizer, param_groups, prefer_fused=host_step.offloads_optimizer
-    )
-
-
-def _scheduler(
-    lr_scheduler: Any,
-    config: ZeroDPConfig,
-    inner: torch.optim.Optimizer,
-    optimizer: ZeroOptimizer,
-) -> Any:
-    if lr_scheduler is None:
-        if config.scheduler is None:
-            return None
-        return build_scheduler(optimizer, config.scheduler)
-    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
-        if lr_scheduler.optimizer is not inner and lr_scheduler.optimizer is not optimizer:
-            raise ValueError(
-                "lr_scheduler is bound to an optimizer zerodp does not step; pass the "
-                "optimizer it was built on to zerodp.initialize too, or pass a callable "
-                "lr_scheduler(optimizer) -> scheduler"
-            )
-        return lr_scheduler
-    if callable(lr_scheduler):
-        return lr_scheduler(optimizer)
-    raise TypeError("lr_scheduler must be an LRScheduler, a callable(optimizer), or None")
 
 
 def _data_loader(

@@ -108,4 +108,5 @@ class CheckpointMethods:
             gradients_held=self.gate.gradients_held,
             gradients_loaded=self.gate.on_gradients_loaded,
             before_save=self.optimizer.adopt_replaced_params,
+            whole_tensors=self.optimizer.parts.tensorwise,
         )

@@ -212,15 +212,30 @@ class DeepSpeedEngineMethods:
 
 
 def model_state_tensors(
-    module: nn.Module, groups: GroupIndex, optimizer: torch.optim.Optimizer
+    module: nn.Module, groups: GroupIndex, optimizer: ZeroOptimizer
 ) -> ModelStateTensors:
-    """The tensors of model state an engine holds, by category and by side (device or host)."""
+    """The tensors of model state an engine holds, by category and by side (device or host).
+
+    Whole-tensor parameters (`zerodp.optim.tensorwise`) assembled from other ranks'
+    fragments have buffers of their own, counted with the optimizer state.
+    """
     states = groups.states
     loose = [p for p in module.parameters() if not groups.manages(p)]
     on_host = {id(s.optim.param) for s in states if s.optim is not None and s.optim.offloaded}
     device_state: list[torch.Tensor] = []
     host_state: list[torch.Tensor] = []
-    for param, slots in optimizer.state.items():
+    parts = optimizer.parts
+    whole = parts.tensorwise
+    if whole is not None:
+        by_order = {s.order: s for s in states}
+        for task, stepped in whole:
+            optim = by_order[task.group].optim
+            host = optim is not None and optim.offloaded
+            if host:
+                on_host.add(id(stepped))
+            if not task.is_local(whole.rank):
+                (host_state if host else device_state).append(stepped.data)
+    for param, slots in parts.inner.state.items():
         tensors = [v for v in slots.values() if isinstance(v, torch.Tensor)]
         (host_state if id(param) in on_host else device_state).extend(tensors)
     copies: list[torch.Tensor] = []

@@ -26,8 +26,9 @@ prepares, steps and saves; `ZeroDPTrainer` is `with_zerodp(Trainer)`.
   (zerodp places, casts and shards it, and reduces its gradients).
 - The optimizer: the config's "optimizer" block, else an optimizer passed as
   `optimizers=(optimizer, ...)`, else the one `args.optim` names, built by
-  zerodp on its flat shards (never on the model's parameters), with the
-  Trainer's weight-decay groups. The LR schedule: the config's "scheduler"
+  zerodp on what it steps (flat shards, or whole tensors for an optimizer
+  that reads them, such as `optim="adafactor"`; never on the model's
+  parameters), with the Trainer's weight-decay groups. The LR schedule: the config's "scheduler"
   block, else a scheduler passed in, else `args.lr_scheduler_type`'s, built
   on the engine's optimizer. The engine steps both; what the Trainer holds as
   `self.optimizer` / `self.lr_scheduler` are views whose `step()` is the
@@ -297,13 +298,13 @@ class ZeroDPTrainer(Trainer):
         ):
             raise ConfigError(
                 f"optim={_name(self.args.optim)!r} builds its own parameter groups or several "
-                "optimizers, which zerodp cannot lay out on its shards; use an elementwise "
-                "torch optimizer (adamw_torch, sgd, ...) or an 'optimizer' block in zerodp_config"
+                "optimizers, which zerodp cannot lay out; use a torch optimizer (adamw_torch, "
+                "adafactor, sgd, ...) or an 'optimizer' block in zerodp_config (\"Muon\" too)"
             )
         kwargs = dict(kwargs)
 
-        def build(shard_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            return cls(shard_groups, **kwargs)
+        def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+            return cls(groups, **kwargs)
 
         return build, self._weight_decay_groups()
 

@@ -21,7 +21,8 @@ def resolve_param_groups(
     model_parameters: Iterable[Any] | None,
     optimizer: Any,
 ) -> list[ParamGroupSpec]:
-    """Param groups from (first that is given) an optimizer instance, model_parameters, the model.
+    """Param groups from (first that is given) an optimizer instance (or a list of them, each
+    on its own parameters: their groups in order), model_parameters, the model.
 
     Frozen parameters (requires_grad=False) are dropped. Every trainable
     parameter of the model must be in exactly one group: zerodp reduces and
@@ -30,6 +31,8 @@ def resolve_param_groups(
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         raw: list[Any] = [dict(g) for g in optimizer.param_groups]
+    elif is_optimizer_list(optimizer):
+        raw = [dict(g) for part in optimizer for g in part.param_groups]
     elif model_parameters is not None:
         raw = list(model_parameters)
     else:
@@ -75,6 +78,15 @@ def resolve_param_groups(
             "model_parameters (or the optimizer), or set requires_grad=False to freeze them"
         )
     return specs
+
+
+def is_optimizer_list(value: Any) -> bool:
+    """A list or tuple of torch optimizers (each on its own parameters)."""
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(item, torch.optim.Optimizer) for item in value)
+    )
 
 
 def _as_param_list(params: Any) -> list[nn.Parameter]:

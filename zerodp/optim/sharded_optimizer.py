@@ -1,12 +1,14 @@
-"""The optimizer users get back: a torch optimizer stepping this rank's owned ranges.
+"""The optimizer users get back: torch optimizers stepping this rank's owned ranges.
 
 One step: make sure every gradient is reduced, point each optimizer
 parameter's `.grad` at its averaged kept gradient, clip by the global norm
-(over all ranks' shards), run the inner torch optimizer, write optimizer
-copies back into the model, then make the parameters whole again where the
-stage keeps them whole (the parameter runtime's `publish_after_step`). For
-fp32 models there is no optimizer copy: the optimizer parameters alias the
-model's own flat buffers (see [Note: zerodp tensors]).
+(over all ranks' shards), run the torch optimizers (elementwise ones on the
+owned ranges, those that read whole tensors through the tensor-wise step:
+[Note: tensor-wise step]), write optimizer copies back into the model, then
+make the parameters whole again where the stage keeps them whole (the
+parameter runtime's `publish_after_step`). For fp32 models there is no
+optimizer copy: the optimizer parameters alias the model's own flat buffers
+(see [Note: zerodp tensors]).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from zerodp.comm import Comm
 from zerodp.group import GroupState
 from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm, scale_grads
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
+from zerodp.optim.parts import OptimizerParts
 from zerodp.precision.loss_scaler import LossScaler
 from zerodp.torch_internals import init_optimizer_hook_dicts, mark_optimizer_stepped
 from zerodp.train_state import TrainState
@@ -41,13 +44,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """Shares `param_groups` and `state` with the inner optimizer (so LR schedulers work).
 
     `Optimizer.__init__` is not called: this object has no parameters of its
-    own, only the inner optimizer's groups, which hold the optimizer
-    parameters of the trainable groups.
+    own, only the inner optimizer's groups (the one torch optimizer, or an
+    `OptimizerChain` over several), which hold what the parts step.
     """
 
     def __init__(
         self,
-        inner: torch.optim.Optimizer,
+        parts: OptimizerParts,
         *,
         reducer: GradientReducer,
         comm: Comm,
@@ -62,8 +65,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload: OffloadedSteps | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.inner = inner
-        self.defaults = inner.defaults
+        self.parts = parts
+        self.inner = parts.inner
+        self.defaults = parts.inner.defaults
         self._reducer = reducer
         self._comm = comm
         self._states = states
@@ -178,10 +182,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._drop_grads()
             return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
-        if self._offload is not None:
-            self._offload.step(self.inner, self._states)
-        else:
-            self.inner.step()
+        for part in self.parts.elementwise:
+            if self._offload is not None:
+                self._offload.step(part.optimizer, part.states)
+            else:
+                part.optimizer.step()
+        if self.parts.tensorwise is not None:
+            self.parts.tensorwise.step(self.parts.tensorwise_optimizers)
         mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()

@@ -445,7 +445,8 @@ IGNORED: tuple[Ignored, ...] = (
     Ignored(
         "zero_optimization.save_muon_momentum_buffer_in_memory",
         BOOL,
-        "zerodp has no Muon optimizer and no NVMe offload",
+        "zerodp keeps Muon's momentum with the rest of the optimizer state (in memory, or on the "
+        "host with optimizer offload)",
     ),
     Ignored(
         "zero_optimization.ignore_unused_parameters",

@@ -258,20 +258,23 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
 _ADAMW = 'use "AdamW" (or "Adam")'
 UNSUPPORTED_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "lamb": (
-        "the LAMB optimizer",
-        "its per-parameter trust ratio needs whole-tensor norms, which ZeRO's flat shards "
-        f"do not hold; {_ADAMW}",
+        "the LAMB optimizer in the config (torch has none)",
+        "pass optimizer= a LAMB instance from a package (zerodp steps it on whole tensors, "
+        f"where its per-tensor trust ratio is exact), or {_ADAMW}",
     ),
-    "fusedlamb": ("the LAMB optimizer", f"ZeRO's flat shards cannot hold its norms; {_ADAMW}"),
+    "fusedlamb": (
+        "the LAMB optimizer in the config (torch has none)",
+        f"pass optimizer= a LAMB instance from a package, or {_ADAMW}",
+    ),
     "onebitadam": ("1-bit Adam (compressed communication)", _ADAMW),
     "zerooneadam": ("0/1 Adam (compressed communication)", _ADAMW),
     "onebitlamb": ("1-bit LAMB (compressed communication)", _ADAMW),
     "lion": (
-        "the Lion optimizer (it is not in torch.optim)",
-        "pass optimizer= an instance from a Lion package (its update is elementwise, so "
-        f"zerodp can shard it), or {_ADAMW}",
+        "the Lion optimizer in the config (it is not in torch.optim)",
+        "pass optimizer= an instance from a Lion package, declared with "
+        "zerodp.declare_elementwise(LionClass) so that it steps flat shards (its update is "
+        f"elementwise), or {_ADAMW}",
     ),
-    "muon": ("the Muon optimizer", f"its orthogonalization needs whole matrices; {_ADAMW}"),
     "muadam": ("muP optimizers", "build it with the mup package and pass optimizer="),
     "muadamw": ("muP optimizers", "build it with the mup package and pass optimizer="),
     "musgd": ("muP optimizers", "build it with the mup package and pass optimizer="),

@@ -1,0 +1,96 @@
+"""The optimizer side of an engine's assembly: its torch optimizers (flat shards or whole
+tensors, see `zerodp.optim.tensorwise`) and its LR scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerodp.comm import Comm
+from zerodp.config import ZeroDPConfig
+from zerodp.errors import ConfigError
+from zerodp.group import GroupIndex, GroupState
+from zerodp.offload import OffloadPolicy, Placement
+from zerodp.optim.param_groups import ParamGroupSpec
+from zerodp.optim.parts import OptimizerParts, OptimizerSource, build_parts
+from zerodp.optim.schedulers import build_scheduler
+from zerodp.optim.sharded_optimizer import ZeroOptimizer
+from zerodp.optim.tensorwise import GroupLayout, OwnerPlacement, TensorwiseStep, build_plan
+from zerodp.posttrain.mode import InferenceOptimizer, ModeDecision, refusal_message
+
+
+def optimizer_parts(
+    decision: ModeDecision,
+    sources: list[OptimizerSource],
+    specs: list[ParamGroupSpec],
+    groups: GroupIndex,
+    offload: OffloadPolicy,
+    make_tensorwise: Callable[[list[GroupState]], TensorwiseStep],
+) -> OptimizerParts:
+    """The torch optimizers on the trainable groups; an inference engine's refuses to step."""
+    if not decision.trains:
+        return OptimizerParts(
+            parts=[],
+            inner=InferenceOptimizer(refusal_message(decision, "optimizer.step()")),
+            tensorwise=None,
+        )
+    parts = build_parts(
+        sources, [spec.options for spec in specs], groups.trainable, make_tensorwise
+    )
+    if parts.tensorwise is not None and offload.optimizer is Placement.FILE:
+        raise ConfigError(
+            "an optimizer that reads whole tensors (Muon, Adafactor, any optimizer zerodp does "
+            "not know as elementwise) keeps its state with the rank that steps each tensor, "
+            "which NVMe optimizer offload does not support; use "
+            '"offload_optimizer": {"device": "cpu"} or none'
+        )
+    return parts
+
+
+def tensorwise_step(
+    states: list[GroupState],
+    config: ZeroDPConfig,
+    comm: Comm,
+    device: torch.device,
+    step_shapes: dict[str, tuple[int, ...]],
+) -> TensorwiseStep:
+    """The whole-tensor step for `states`' groups (see [Note: tensor-wise step])."""
+    layouts = [
+        GroupLayout(
+            order=state.order,
+            names=tuple(state.names),
+            layout=state.flat.layout,
+            owns_full=state.flat.owns_full,
+            values_resident=state.persistent
+            and state.optim is not None
+            and state.optim.copy is None,
+        )
+        for state in states
+    ]
+    placement = OwnerPlacement(config.zero_optimization.tensorwise_placement)
+    return TensorwiseStep(build_plan(layouts, placement, step_shapes), states, comm, device)
+
+
+def scheduler_for(
+    lr_scheduler: Any,
+    config: ZeroDPConfig,
+    inner: torch.optim.Optimizer,
+    optimizer: ZeroOptimizer,
+) -> Any:
+    if lr_scheduler is None:
+        if config.scheduler is None:
+            return None
+        return build_scheduler(optimizer, config.scheduler)
+    if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        if lr_scheduler.optimizer is not inner and lr_scheduler.optimizer is not optimizer:
+            raise ValueError(
+                "lr_scheduler is bound to an optimizer zerodp does not step; pass the "
+                "optimizer it was built on to zerodp.initialize too, or pass a callable "
+                "lr_scheduler(optimizer) -> scheduler"
+            )
+        return lr_scheduler
+    if callable(lr_scheduler):
+        return lr_scheduler(optimizer)
+    raise TypeError("lr_scheduler must be an LRScheduler, a callable(optimizer), or None")

@@ -1,0 +1,242 @@
+"""The engine's torch optimizers: which param groups each steps, and by which path.
+
+An engine steps one torch optimizer (AdamW, Adafactor, ...) or several: the
+config's "Muon" is torch's Muon for the matrices and AdamW for the rest, and
+a torch user hands zerodp the same pair as a list (`optimizer=[muon, adamw]`).
+Each is one `OptimizerPart`, stepped on flat shards or on whole tensors as its
+class says (`zerodp.optim.tensorwise.selection`). What users, LR schedulers
+and checkpoints see is one optimizer: the part's own, or an `OptimizerChain`
+over all of them, whose param groups are every part's groups in the engine's
+order and whose state is one dictionary the parts share.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerodp.group import GroupState
+from zerodp.optim.tensorwise import TensorwiseStep, UpdatePath, update_path
+from zerodp.torch_internals import init_optimizer_hook_dicts
+
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclass
+class OptimizerSource:
+    """Where one torch optimizer comes from (exactly one of `instance`, `factory`, `cls`),
+    and the engine param groups (indices of the resolved specs) it steps."""
+
+    groups: list[int]
+    instance: torch.optim.Optimizer | None = None
+    factory: OptimizerFactory | None = None
+    cls: type[torch.optim.Optimizer] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def known_path(self) -> UpdatePath | None:
+        """The path its class takes; None for a factory (known once it has built one)."""
+        if self.instance is not None:
+            return update_path(type(self.instance))
+        if self.cls is not None:
+            return update_path(self.cls)
+        return None
+
+
+@dataclass
+class OptimizerPart:
+    optimizer: torch.optim.Optimizer
+    path: UpdatePath
+    states: list[GroupState]  # the trainable groups whose parameters it steps
+
+
+@dataclass
+class OptimizerParts:
+    parts: list[OptimizerPart]
+    inner: torch.optim.Optimizer  # what users and schedulers see
+    tensorwise: TensorwiseStep | None  # the whole tensors, when any part reads them
+
+    @property
+    def elementwise(self) -> list[OptimizerPart]:
+        return [p for p in self.parts if p.path is UpdatePath.ELEMENTWISE]
+
+    @property
+    def tensorwise_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [p.optimizer for p in self.parts if p.path is UpdatePath.TENSORWISE]
+
+
+def build_parts(
+    sources: Sequence[OptimizerSource],
+    options: Sequence[dict[str, Any]],
+    states: list[GroupState],
+    make_tensorwise: Callable[[list[GroupState]], TensorwiseStep],
+) -> OptimizerParts:
+    """Every source's torch optimizer, on flat shards or on whole tensors.
+
+    `options` are the engine's param groups' settings (all but "params"), by
+    index; `states` the trainable groups; `make_tensorwise` plans the whole-tensor
+    step for the groups given to it.
+    """
+    paths = [source.known_path() for source in sources]
+    tensorwise: TensorwiseStep | None = None
+    if any(path is None for path in paths):  # a factory: offered whole tensors first
+        (source,) = sources
+        tensorwise = make_tensorwise(states)
+        probe = _from_factory(
+            source, _groups(source, options, tensorwise.param_groups(len(options)))
+        )
+        if update_path(type(probe)) is UpdatePath.TENSORWISE:
+            part = OptimizerPart(probe, UpdatePath.TENSORWISE, states)
+            return OptimizerParts([part], probe, tensorwise)
+        tensorwise = None
+        paths = [UpdatePath.ELEMENTWISE]
+    whole = [s for s, p in zip(sources, paths, strict=True) if p is UpdatePath.TENSORWISE]
+    whole_states = [s for s in states if any(s.flat.param_group_index in w.groups for w in whole)]
+    if whole_states:
+        tensorwise = make_tensorwise(whole_states)
+    parts = []
+    for source, path in zip(sources, paths, strict=True):
+        mine = [s for s in states if s.flat.param_group_index in source.groups]
+        if path is UpdatePath.TENSORWISE and tensorwise is not None:
+            params = tensorwise.param_groups(len(options))
+        else:
+            params = _flat_params(mine, len(options))
+        optimizer = _build(source, _groups(source, options, params))
+        if update_path(type(optimizer)) is not path:
+            raise TypeError(
+                f"the optimizer callable returned a {type(optimizer).__name__} for whole tensors "
+                "and another kind for flat shards; return the same class each time"
+            )
+        parts.append(OptimizerPart(optimizer, path, mine))
+    inner = parts[0].optimizer if len(parts) == 1 else OptimizerChain(parts, sources)
+    return OptimizerParts(parts, inner, tensorwise)
+
+
+def _flat_params(states: list[GroupState], num_groups: int) -> list[list[Any]]:
+    params: list[list[Any]] = [[] for _ in range(num_groups)]
+    for state in states:
+        if state.optim is not None:
+            params[state.flat.param_group_index].append(state.optim.param)
+    return params
+
+
+def _groups(
+    source: OptimizerSource, options: Sequence[dict[str, Any]], params: list[list[Any]]
+) -> list[dict[str, Any]]:
+    return [{"params": params[index], **options[index]} for index in source.groups]
+
+
+def _build(source: OptimizerSource, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    if source.instance is not None:
+        return _repoint(source.instance, groups)
+    if source.cls is not None:
+        return source.cls(groups, **source.kwargs)
+    return _from_factory(source, groups)
+
+
+def _from_factory(source: OptimizerSource, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    if source.factory is None:  # pragma: no cover - sources are built with one of the three
+        raise RuntimeError("internal error: an optimizer source without a factory")
+    optimizer = source.factory(groups)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"the optimizer callable returned {type(optimizer).__name__}; it must return a "
+            "torch.optim.Optimizer built on the param groups it is given"
+        )
+    return optimizer
+
+
+def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> Any:
+    """Keep the user's optimizer object (and any scheduler built on it); step zerodp's
+    tensors instead of the model's parameters."""
+    if len(optimizer.param_groups) != len(groups):
+        raise RuntimeError("internal error: param groups and optimizer groups disagree")
+    if optimizer.state:
+        warnings.warn(
+            "the optimizer passed to zerodp.initialize already has state; zerodp starts it "
+            "afresh on its own tensors (load a checkpoint to restore state)",
+            stacklevel=4,
+        )
+    for group, built in zip(optimizer.param_groups, groups, strict=True):
+        group["params"] = built["params"]
+    optimizer.state = defaultdict(dict)
+    return optimizer
+
+
+class OptimizerChain(torch.optim.Optimizer):
+    """Several torch optimizers seen as one (see the module docstring).
+
+    `param_groups` holds the parts' own group dictionaries, so a scheduler that
+    sets a group's lr sets it for the part; `state` is the one dictionary every
+    part reads and writes (their parameters are distinct). `Optimizer.__init__`
+    is not called: the chain has no parameters of its own.
+    """
+
+    def __init__(self, parts: list[OptimizerPart], sources: Sequence[OptimizerSource]) -> None:
+        self.parts = [part.optimizer for part in parts]
+        self.defaults: dict[str, Any] = {}
+        # (part, its own group index) for each engine param group, in the engine's order.
+        order = sorted(
+            (index, number, local)
+            for number, source in enumerate(sources)
+            for local, index in enumerate(source.groups)
+        )
+        self._where = [(number, local) for _, number, local in order]
+        self._share()
+        init_optimizer_hook_dicts(self)
+
+    def _share(self) -> None:
+        """The parts' group dictionaries in the engine's order, and one state dictionary."""
+        self.param_groups = [self.parts[n].param_groups[local] for n, local in self._where]
+        shared: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        for optimizer in self.parts:
+            shared.update(optimizer.state)
+            optimizer.state = shared
+        self.state = shared
+
+    @property
+    def class_label(self) -> str:
+        """The parts' classes, as a checkpoint records them ("Muon+AdamW")."""
+        return "+".join(type(optimizer).__name__ for optimizer in self.parts)
+
+    def group_defaults(self, index: int) -> dict[str, Any]:
+        """The defaults of the part that steps param group `index`."""
+        return self.parts[self._where[index][0]].defaults
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load `state_dict()`'s output: each part gets its own groups and their state."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self._where):
+            raise ValueError(
+                f"the state dict has {len(groups)} param groups, this optimizer {len(self._where)}"
+            )
+        for number, optimizer in enumerate(self.parts):
+            mine = sorted(
+                (local, groups[i]) for i, (n, local) in enumerate(self._where) if n == number
+            )
+            renumber: dict[int, int] = {}
+            part_groups = []
+            for _, group in mine:
+                ids = [renumber.setdefault(i, len(renumber)) for i in group["params"]]
+                part_groups.append({**group, "params": ids})
+            state = {renumber[i]: v for i, v in state_dict["state"].items() if i in renumber}
+            optimizer.load_state_dict({"state": state, "param_groups": part_groups})
+        self._share()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "zerodp lays out parameters once, at zerodp.initialize; pass every param group there"
+        )
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("zerodp's optimizers take no closure")
+        for optimizer in self.parts:
+            optimizer.step()
+
+    def __repr__(self) -> str:
+        return f"OptimizerChain({', '.join(type(o).__name__ for o in self.parts)})"
