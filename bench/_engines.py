@@ -48,13 +48,15 @@ class EngineSpec:
     engine: str
     stage: int
     check_order: bool = True  # zerodp stage 3's collective order check (off: "-nocheck")
+    stall_checks: bool = True  # zerodp's comms_stall_checks (off: "-nowatch")
 
     @property
     def label(self) -> str:
         base = (
             f"{self.engine}-{self.stage}" if self.engine in ("zerodp", "deepspeed") else self.engine
         )
-        return base if self.check_order else f"{base}-nocheck"
+        base = base if self.check_order else f"{base}-nocheck"
+        return base if self.stall_checks else f"{base}-nowatch"
 
 
 ALL_SPECS: tuple[EngineSpec, ...] = (
@@ -64,11 +66,16 @@ ALL_SPECS: tuple[EngineSpec, ...] = (
     EngineSpec("zero_redundancy", 1),
     *(EngineSpec("deepspeed", s) for s in (1, 2, 3)),
 )
-# Not in "all": zerodp stage 3 without its collective order check, to measure what it costs.
+# Not in "all": zerodp without its collective order check (stage 3) or without its stall
+# checks (uneven inputs, failed peers), to measure what each costs.
 UNCHECKED_SPEC = EngineSpec("zerodp", 3, check_order=False)
+VARIANT_SPECS: tuple[EngineSpec, ...] = (
+    UNCHECKED_SPEC,
+    *(EngineSpec("zerodp", s, stall_checks=False) for s in (1, 2, 3)),
+)
 ENGINE_CHOICES = (
-    "ddp, zerodp, zerodp0..zerodp3, zerodp3nocheck, fsdp2, zero_redundancy, deepspeed, "
-    "deepspeed1..3"
+    "ddp, zerodp, zerodp0..zerodp3, zerodp3nocheck, zerodp1nowatch..zerodp3nowatch, fsdp2, "
+    "zero_redundancy, deepspeed, deepspeed1..3"
 )
 
 
@@ -80,14 +87,13 @@ def parse_engines(text: str) -> list[EngineSpec]:
         if not name:
             continue
         matches = [s for s in ALL_SPECS if name in (s.engine, s.label.replace("-", ""))]
-        if name == UNCHECKED_SPEC.label.replace("-", ""):
-            matches = [UNCHECKED_SPEC]
+        matches += [s for s in VARIANT_SPECS if name == s.label.replace("-", "")]
         if name == "zro":
             matches = [s for s in ALL_SPECS if s.engine == "zero_redundancy"]
         if not matches:
             raise ValueError(f"unknown engine {raw.strip()!r}; choose from {ENGINE_CHOICES}")
         wanted.update(matches)
-    return [s for s in (*ALL_SPECS, UNCHECKED_SPEC) if s in wanted]
+    return [s for s in (*ALL_SPECS, *VARIANT_SPECS) if s in wanted]
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,7 @@ class ZeroDPRunner(Runner):
         super().__init__(spec)
         config = settings.zerodp_config(spec.stage)
         config["zero_optimization"]["stage3_check_order"] = spec.check_order
+        config["comms_stall_checks"] = spec.stall_checks
         if isinstance(model, LossModel) and model.leaf_classes:
             zerodp.zero.set_z3_leaf_modules(model, model.leaf_classes)
         self.engine, _, _, _ = zerodp.initialize(model=model, config=config)

@@ -75,9 +75,15 @@ _COLUMNS = (
 )
 
 
+def _engine_cell(row: Row) -> str:
+    notes = [] if row.spec.check_order else ["no order check"]
+    notes += [] if row.spec.stall_checks else ["no stall checks"]
+    return f"{row.spec.engine} ({', '.join(notes)})" if notes else row.spec.engine
+
+
 def _cells(row: Row) -> list[str]:
     return [
-        row.spec.engine if row.spec.check_order else f"{row.spec.engine} (no order check)",
+        _engine_cell(row),
         str(row.spec.stage),
         row.model,
         f"{row.params / 1e6:.2f}M",

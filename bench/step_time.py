@@ -345,8 +345,9 @@ def profile_stage3(path: str, settings: TrainSettings, args: argparse.Namespace)
         runner.close()
 
 
-def order_check_cost(rows: list[Row]) -> list[str]:
-    """zerodp-3 over zerodp-3-nocheck, per model: the cost of stage 3's collective order check.
+def variant_cost(rows: list[Row]) -> list[str]:
+    """What a check costs, per model: zerodp-3 over zerodp-3-nocheck (the collective order
+    check) and zerodp-N over zerodp-N-nowatch (the stall checks: uneven inputs, failed peers).
 
     Repeats are interleaved, so repeat i of one ran next to repeat i of the other: the
     median of the per-repeat ratios is the figure to quote; the ratio of the medians and
@@ -355,17 +356,22 @@ def order_check_cost(rows: list[Row]) -> list[str]:
     lines = []
     for model in dict.fromkeys(r.model for r in rows):
         labels = {r.spec.label: r for r in rows if r.model == model}
-        checked, unchecked = labels.get("zerodp-3"), labels.get("zerodp-3-nocheck")
-        if checked is None or unchecked is None:
-            continue
-        paired = sorted(a / b for a, b in zip(checked.samples_s, unchecked.samples_s, strict=True))
-        medians = checked.median_s / unchecked.median_s
-        lines.append(
-            f"order check ({model}): zerodp-3 / zerodp-3-nocheck = "
-            f"{statistics.median(paired):.3f} (median of {len(paired)} paired repeats; "
-            f"range {paired[0]:.3f}-{paired[-1]:.3f}); medians {medians:.3f}, "
-            f"minimums {checked.min_s / unchecked.min_s:.3f}"
-        )
+        for with_check, without, what in (
+            ("zerodp-3", "zerodp-3-nocheck", "order check"),
+            *((f"zerodp-{s}", f"zerodp-{s}-nowatch", "stall checks") for s in (1, 2, 3)),
+        ):
+            checked, unchecked = labels.get(with_check), labels.get(without)
+            if checked is None or unchecked is None:
+                continue
+            pairs = zip(checked.samples_s, unchecked.samples_s, strict=True)
+            paired = sorted(a / b for a, b in pairs)
+            medians = checked.median_s / unchecked.median_s
+            lines.append(
+                f"{what} ({model}): {with_check} / {without} = "
+                f"{statistics.median(paired):.3f} (median of {len(paired)} paired repeats; "
+                f"range {paired[0]:.3f}-{paired[-1]:.3f}); medians {medians:.3f}, "
+                f"minimums {checked.min_s / unchecked.min_s:.3f}"
+            )
     return lines
 
 
@@ -460,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         fill_ratios(rows)
         if is_rank0():
             print("\n" + format_table(rows) + "\n" + FOOTNOTE, flush=True)
-            for line in order_check_cost(rows) + per_module_cost(rows):
+            for line in variant_cost(rows) + per_module_cost(rows):
                 print(line, flush=True)
             if args.json:
                 write_json(args.json, rows, dist.get_world_size())

@@ -9,8 +9,15 @@ Each scenario is how a real run ends when something goes wrong, on 2 ranks (gloo
 - `divergence`: rank 1 skips a module at stage 3; `DivergenceError` on both (exit 1).
 - `checkpoint`: a save into a path that is a file (the second argument); `CheckpointError` on
   both (exit 1).
+
+The third argument is a directory the uneven scenario may save into.
 - `user_error`: rank 1's own code raises `ValueError` after two steps (exit 1); rank 0, in its
   next step, fails with a `PeerFailedError` that names rank 1's error (exit 1).
+- `uneven_save`: stage 2, rank 1 has one batch fewer and goes on to save a checkpoint while
+  rank 0 trains its last step; both raise `UnevenInputsError` naming each rank's place and
+  step counts, within seconds of the stall (`comms_timeout_s` is 120) (exit 1).
+- `uneven_end`: stage 3, rank 1 has one batch fewer and its script ends (exit 0); rank 0
+  raises `UnevenInputsError` naming that (exit 1).
 - `oom_forward`: rank 1 runs out of memory inside its third forward at stage 3 (exit 1); rank 0
   fails with a `PeerFailedError` naming rank 1's `OutOfMemoryError`, not a divergence (exit 1).
 
@@ -42,6 +49,8 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "checkpoint": (1, 1),
     "user_error": (1, 1),
     "oom_forward": (1, 1),
+    "uneven_save": (1, 1),
+    "uneven_end": (1, 0),
 }
 
 
@@ -63,12 +72,11 @@ def _out_of_memory(module: nn.Module, args: object) -> None:
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (simulated)")
 
 
-def _config(stage: int, **extra: object) -> dict:
+def _config(stage: int, timeout: float = 5) -> dict:
     config = zerodp_config(
         stage, optimizer=optimizer_config("AdamW", lr=1e-2), persistence_threshold=0
     )
-    config["comms_timeout_s"] = 5
-    config.update(extra)
+    config["comms_timeout_s"] = timeout
     return config
 
 
@@ -111,6 +119,16 @@ def main() -> None:
         if rank == 1:
             raise ValueError("the user's data loader found a corrupt record")
         _train(engine, rank, range(2, 4))
+    elif scenario in ("uneven_save", "uneven_end"):
+        stage = 2 if scenario == "uneven_save" else 3
+        engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(stage, timeout=120))
+        start = time.monotonic()
+        try:
+            _train(engine, rank, range(4 - rank))  # rank 1 has one batch fewer
+            if scenario == "uneven_save":
+                engine.save_checkpoint(sys.argv[3])
+        finally:
+            print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
     elif scenario == "oom_forward":
         model = TinyNet()
         engine, _, _, _ = zerodp.initialize(model=model, config=_config(3))

@@ -45,12 +45,14 @@ def main() -> int:
     failures = 0
     rows = []
     try:
-        with tempfile.NamedTemporaryFile() as not_a_directory:
+        with tempfile.NamedTemporaryFile() as not_a_directory, tempfile.TemporaryDirectory() as d:
             for scenario in scenarios:
                 counts: Counter[tuple[int, int | None]] = Counter()
                 start = time.monotonic()
                 for run in range(args.runs):
-                    exits = run_ranks([str(SCRIPT), scenario, not_a_directory.name], timeout_s=180)
+                    exits = run_ranks(
+                        [str(SCRIPT), scenario, not_a_directory.name, d], timeout_s=180
+                    )
                     for expected, rank_exit in zip(EXPECTED[scenario], exits, strict=True):
                         counts[(rank_exit.rank, rank_exit.status)] += 1
                         if rank_exit.status != expected:

@@ -96,7 +96,9 @@ class FullStateAccessor:
         """This rank's part of the kept gradient of `param`, flattened (unscaled, like full_grad).
 
         Between accumulation boundaries at stages 0 and 1 (before the boundary's
-        reduction) it is this rank's own sum, not yet averaged.
+        reduction) it is this rank's own sum, not yet averaged; at stages 2 and 3 with
+        shard groups that replicate each other, its shard group's average (see [Note:
+        shard groups] in `zerodp.comm.topology`).
         """
         found = self.groups.lookup(param)
         if found is None or found[0].grads is None:

@@ -29,6 +29,13 @@ class UsageError(ZeroDPError, ValueError):
     """An API was called with arguments, or in a mode, that zerodp cannot honour."""
 
 
+class NonScalarLossError(UsageError, AssertionError):
+    """`engine.backward`/`engine.scale` got a loss that is not a scalar.
+
+    Also an `AssertionError`, which DeepSpeed raises here (its tests catch that type).
+    """
+
+
 class LifecycleError(ZeroDPError):
     """A call came in an order the engine cannot honour (e.g. `step()` inside backward)."""
 
@@ -73,6 +80,10 @@ class PeerFailedError(CollectiveError):
     """Another rank failed (its error is named in the message), so this rank cannot go on."""
 
 
+class UnevenInputsError(CollectiveError):
+    """Ranks ran different numbers of steps (uneven inputs); the message says where each is."""
+
+
 class AgreedError(ZeroDPError):
     """Another rank failed a check that every rank agreed on; the message quotes it."""
 
@@ -84,11 +95,13 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
         ZeroDPError,
         ConfigError,
         UsageError,
+        NonScalarLossError,
         LifecycleError,
         ParamStateError,
         DivergenceError,
         CollectiveError,
         PeerFailedError,
+        UnevenInputsError,
         CheckpointError,
         CheckpointPathError,
         CheckpointStorageError,

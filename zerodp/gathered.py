@@ -95,6 +95,8 @@ class GatheredParameters:
         broadcast_tensors(comm, [s.flat.full for s in states] + loose, src=src)
         for state in states:
             state.flat.take_shard_from_full()
+            if state.gather is not None:
+                state.gather.shard_changed()  # see [Note: hpZ secondary shard]
             if state.optim is not None:
                 state.optim.refresh_from_model()
 

@@ -281,6 +281,13 @@ def _order_timeouts() -> tuple[float, float]:
 
 def _order_of_unchecked() -> bool:
     engine = _engine(LifecycleNet(), stage3_check_order=False)
-    unchecked = engine.params.order is None and engine.comm.on_stall is None
+    unchecked = engine.params.order is None and engine.comm.on_stall is not None
+    engine.destroy()
+    # With the stall checks off too, nothing listens while a collective waits.
+    config = zerodp_config(3, optimizer=SGD, persistence_threshold=0)
+    config["zero_optimization"]["stage3_check_order"] = False
+    config["comms_stall_checks"] = False
+    engine, _, _, _ = zerodp.initialize(model=LifecycleNet(), config=config)
+    unchecked = unchecked and engine.comm.on_stall is None
     engine.destroy()
     return unchecked

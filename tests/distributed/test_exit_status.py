@@ -14,22 +14,40 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tools.exit_scenarios import EXPECTED
 from zerodp.testing.ranks import RankExit, run_ranks
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "exit_scenarios.py"
-SCENARIOS = ["mismatch", "divergence", "checkpoint", "user_error", "oom_forward"]
+SCENARIOS = [
+    "mismatch",
+    "divergence",
+    "checkpoint",
+    "user_error",
+    "oom_forward",
+    "uneven_save",
+    "uneven_end",
+]
 
 
-def _run(scenario: str, not_a_directory: Path) -> list[RankExit]:
-    return run_ranks([str(SCRIPT), scenario, str(not_a_directory)], timeout_s=240)
+def _run(scenario: str, directory: Path) -> list[RankExit]:
+    argv = [str(SCRIPT), scenario, str(directory / "file"), str(directory / scenario)]
+    return run_ranks(argv, timeout_s=600)
 
 
+def _elapsed(output: str) -> float:
+    marks = [line.split()[1] for line in output.splitlines() if line.startswith("ELAPSED")]
+    return float(marks[0])
+
+
+@pytest.mark.timeout(900)  # 7 scenarios x 2 processes side by side: slow on a loaded machine
 def test_every_rank_ends_with_its_own_status_and_the_culprit_is_named(tmp_path) -> None:
-    not_a_directory = tmp_path / "file"
-    not_a_directory.write_text("")
+    (tmp_path / "file").write_text("")
     with ThreadPoolExecutor(len(SCENARIOS)) as pool:
-        runs = dict(zip(SCENARIOS, pool.map(_run, SCENARIOS, [not_a_directory] * 5), strict=True))
+        runs = dict(
+            zip(SCENARIOS, pool.map(_run, SCENARIOS, [tmp_path] * len(SCENARIOS)), strict=True)
+        )
     for scenario, exits in runs.items():
         for expected, rank_exit in zip(EXPECTED[scenario], exits, strict=True):
             assert rank_exit.status == expected, (scenario, rank_exit)
@@ -51,3 +69,17 @@ def test_every_rank_ends_with_its_own_status_and_the_culprit_is_named(tmp_path) 
     assert "PeerFailedError: rank 1 failed" in peer.output, peer.output
     assert "OutOfMemoryError: CUDA out of memory" in peer.output, peer.output
     assert "DivergenceError" not in peer.output, peer.output
+
+    # Uneven inputs: named on every rank that waits, with each rank's place, long before the
+    # comms_timeout_s of 120 s (the stall is heard within about a second).
+    for rank_exit in runs["uneven_save"]:
+        assert (
+            "UnevenInputsError: uneven inputs: the ranks are stuck in different places: rank 0 "
+            "is training after 3 optimizer steps (3 micro-batches), waiting in reduce_scatter"
+        ) in rank_exit.output, rank_exit.output
+        assert "rank 1 is saving a checkpoint after 3 optimizer steps" in rank_exit.output
+        assert _elapsed(rank_exit.output) < 60, rank_exit.output
+    peer, finished = runs["uneven_end"]
+    assert "rank 1 ended its script after 3 optimizer steps (3 micro-batches)" in peer.output
+    assert "UnevenInputsError" in peer.output and _elapsed(peer.output) < 60, peer.output
+    assert "Error" not in finished.output, finished.output

@@ -82,7 +82,7 @@ def gpt2_parity(threshold: int, steps: int) -> int:
     model = build_gpt2()
     reference = ReferenceDP(
         copy.deepcopy(model),
-        lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY),
+        lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True),
     )
     config = zerodp_config(
         3,

@@ -32,7 +32,10 @@ from zerodp.testing.parity import BITWISE
 DTYPES = ["bf16", "fp16"]
 # The recipe every test here trains with (fp16 starts at a loss scale of 2**8 unless told).
 RECIPE = {
-    "optimizer": optimizer_config("AdamW", lr=1e-2, weight_decay=0.01),
+    # torch's for-loop AdamW on both sides: the recipe is compared bitwise, and with the
+    # default (fused) kernel on both sides a master differed in its last bit (4.7e-10 on
+    # fc2.bias, stage 0 bf16): the kernel is not the recipe under test.
+    "optimizer": optimizer_config("AdamW", lr=1e-2, weight_decay=0.01, fused=False),
     "clipping": 1.0,
     "persistence_threshold": 0,
 }

@@ -33,7 +33,7 @@ from zerodp.monitor import ideal_offload_bytes
 from zerodp.offload import OffloadStorage
 from zerodp.zero import ParamStatus
 
-ADAMW = optimizer_config("AdamW", lr=1e-2, weight_decay=0.01, fused=True)
+ADAMW = optimizer_config("AdamW", lr=1e-2, weight_decay=0.01)  # the default kernel choice
 
 
 def _offload(stage: int, where: str, nvme: str | None, ratio: float = 1.0) -> dict[str, Any]:

@@ -9,6 +9,7 @@ normal build of the same model (`tests.models.TinyGPT`, embeddings tied).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,11 @@ STRUCTURES = {
 ADAMW = optimizer_config("AdamW", lr=1e-2, weight_decay=0.01)
 
 
+def _reference_adamw(params: Any) -> torch.optim.Optimizer:
+    """The config's AdamW: torch's, with the fused kernel zerodp takes by default."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, fused=True)
+
+
 def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
@@ -68,7 +74,7 @@ def structure_parity(
     if units:
         _assert_units_formed(model, engine, units)
     num_groups = len(engine.groups)
-    reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
+    reference = ReferenceDP(ref_model, _reference_adamw)
     rank = dist.get_rank()
     for step in range(steps):
         x = inputs(rank, step)
@@ -183,9 +189,7 @@ def units_match_reference() -> None:
             assert len(states) == 1, (prefetch, len(states))
             block_groups += states
         assert len(set(block_groups)) == cfg.n_layer
-        reference = ReferenceDP(
-            ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01)
-        )
+        reference = ReferenceDP(ref_model, _reference_adamw)
         for step in range(3):
             x = gpt_tokens(dist.get_rank(), step, cfg)
             engine.backward(_loss(engine(x)))
@@ -244,9 +248,7 @@ def init_memory_and_training() -> dict[str, int]:
         t.untyped_storage().nbytes() for t in model.parameters()
     )  # sharded parameters hold no storage of their own
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
-    reference = ReferenceDP(
-        reference_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01)
-    )
+    reference = ReferenceDP(reference_model, _reference_adamw)
     generator = torch.Generator().manual_seed(dist.get_rank())
     for step in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=generator)
@@ -324,7 +326,7 @@ def buckets_after_backward_and_step(stage: int) -> dict[str, int]:
     config = zerodp_config(stage, optimizer=ADAMW, persistence_threshold=1000)
     config["zero_optimization"]["reduce_bucket_size"] = 20_000
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
-    reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
+    reference = ReferenceDP(ref_model, _reference_adamw)
     idle = []
     for step in range(2):
         tokens = gpt_tokens(dist.get_rank(), step, cfg)
@@ -374,7 +376,7 @@ def gathered_parameters_modifier() -> None:
     ref_model = copy.deepcopy(model)
     config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=0)
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
-    reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
+    reference = ReferenceDP(ref_model, _reference_adamw)
     rank = dist.get_rank()
     weight = model.fc1.weight
     with GatheredParameters([weight]), torch.no_grad():
@@ -444,7 +446,7 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
         zero={"stage3_prefetch_bucket_size": 10_000, "stage3_max_live_parameters": max_live},
     )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
-    reference = ReferenceDP(ref_model, lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01))
+    reference = ReferenceDP(ref_model, _reference_adamw)
     coordinator = engine.params.coordinator
     rank = dist.get_rank()
     peak = 0

@@ -68,20 +68,20 @@ class RootHooks:
         self,
         root: nn.Module,
         lifecycle: BackwardLifecycle,
-        on_forward_start: Callable[[], None],
+        on_forward_start: Callable[[tuple[Any, ...], dict[str, Any]], None],
     ) -> None:
         self._first_output_grad = lifecycle.hook(_nothing)
         self._on_forward_start = on_forward_start
         self.deferred = False  # a traced post-forward left its work to `after_call`
         self.handles = [
-            root.register_forward_pre_hook(self._pre_forward, prepend=True),
+            root.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             root.register_forward_hook(self._post_forward),
         ]
 
-    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        self._on_forward_start()
+        self._on_forward_start(args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():

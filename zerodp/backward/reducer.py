@@ -27,6 +27,16 @@ when the task produced any gradient at all: every rank must run the same
 backward calls over the same parameters, as with DDP. A task that produced no
 gradient (`torch.autograd.grad`) reduces and finalizes nothing.
 
+With shard groups that replicate each other (see [Note: shard groups] in
+`zerodp.comm.topology`) the reductions above run in the shard group, and
+averaging across the replica group follows: a stage 2-3 kept gradient starts
+PARTIAL (its shard group's average) and is all-reduced across replicas in
+place by the boundary task, as each group's shard-group reduction completes;
+a stage 1 boundary reduce-scatter is followed by the same all-reduce; a
+contribution to an AVERAGED kept gradient is all-reduced across replicas in
+its bucket before it is added. So between boundaries no byte leaves the
+shard group.
+
 Groups inside a stage 3 leaf module (see [Note: leaf modules]) are held back
 (`hold_back`): however early their gradients are complete on this rank, they
 are launched only when `settle` says the leaf's backward is done, with zeros
@@ -45,6 +55,7 @@ from torch import nn
 
 from zerodp.backward.buffers import BufferPool
 from zerodp.backward.exposure import ParamGradView
+from zerodp.backward.plan import FullReduce, ReductionPlan
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm, Handle
 from zerodp.comm.order import CollectiveOrder
@@ -53,39 +64,11 @@ from zerodp.group import GradSync, GroupState, KeptGradient
 from zerodp.torch_internals import PlainTensorOps
 
 
-class GradStorage(enum.Enum):
-    """How much of a group's gradient each rank keeps."""
-
-    FULL = "full"  # the whole group (stages 0, 1)
-    SHARD = "shard"  # this rank's shard (stages 2, 3)
-
-
-class FullReduce(enum.Enum):
-    """How a full kept gradient is reduced at the boundary."""
-
-    ALL_REDUCE = "all_reduce"  # stage 0: the whole buffer is averaged everywhere
-    REDUCE_SCATTER = "reduce_scatter"  # stage 1: each rank averages its own shard
-
-
-@dataclass(frozen=True)
-class ReductionPlan:
-    storage: GradStorage
-    full_reduce: FullReduce
-    defer_to_boundary: bool  # LOCAL accumulation between boundaries (stages 0, 1)
-    expose_param_grads: bool  # `param.grad` shows the kept gradient (stage 0)
-
-    @property
-    def initial_sync(self) -> GradSync:
-        return GradSync.LOCAL if self.defer_to_boundary else GradSync.AVERAGED
-
-    @property
-    def reduces_whole_buffer(self) -> bool:
-        return self.storage is GradStorage.FULL and self.full_reduce is FullReduce.ALL_REDUCE
-
-
 class _LaunchKind(enum.Enum):
     IN_PLACE = "in_place"  # a LOCAL kept gradient reduced where it is
     BUCKET = "bucket"  # a task's contribution reduced in its bucket, then added
+    IN_PLACE_ACROSS = "in_place_across"  # a PARTIAL kept shard averaged across replicas
+    BUCKET_ACROSS = "bucket_across"  # a bucket's reduced shard averaged across replicas
 
 
 @dataclass
@@ -94,6 +77,7 @@ class _InFlight:
     kind: _LaunchKind
     handle: Handle
     bucket: torch.Tensor | None
+    numel: int
 
 
 @dataclass
@@ -102,6 +86,7 @@ class _RunningTask:
 
     is_boundary: bool
     contribution_scale: float  # multiplies contributions on their way in (fp16, see begin_task)
+    rank_scale: float = 1.0  # the world size over the ranks contributing (see `rank_scale`)
     has_contributions: bool = False
     next_launch: int = 0  # groups before this index have been launched in this task
     held_back: frozenset[GroupState] = frozenset()  # launched and released at `settle` only
@@ -131,9 +116,16 @@ class GradientReducer:
         comm_dtype: torch.dtype | None = None,
         max_inflight_elements: int,
         overlap_comm: bool,
+        replicas: Comm | None = None,
     ) -> None:
-        self.comm = comm
+        if plan.across_replicas != (replicas is not None):
+            raise RuntimeError("internal error: a plan across replicas needs the replica group")
+        self.comm = comm  # the shard group (every rank without replicas)
+        self.replicas = replicas  # the replica group, with shard groups that replicate
         self.plan = plan
+        # Whether a PARTIAL kept gradient goes on across replicas once its shard group's
+        # reduction is in (a boundary task, or a boundary step's `reduce_local`).
+        self._across_now = False
         self.overlap_comm = overlap_comm
         self.max_inflight_elements = max(1, max_inflight_elements)
         self.comm_dtype = comm_dtype
@@ -145,6 +137,9 @@ class GradientReducer:
         self._task = _RunningTask(is_boundary=False, contribution_scale=1.0)
         self._held_back: frozenset[GroupState] = frozenset()
         self.order: CollectiveOrder | None = None  # stage 3 checks its collectives' order
+        # Reductions divide by the world size; when only some ranks contribute (a join
+        # context averaging over the ranks still training) tasks scale by world / those.
+        self.rank_scale = 1.0
         self.param_grads = ParamGradView(states) if plan.expose_param_grads else None
 
     @property
@@ -159,7 +154,8 @@ class GradientReducer:
 
     @property
     def any_local(self) -> bool:
-        return any(_kept(s).sync is GradSync.LOCAL for s in self.states)
+        """Whether some kept gradient is not yet averaged over every rank (LOCAL or PARTIAL)."""
+        return any(_kept(s).sync is not GradSync.AVERAGED for s in self.states)
 
     # -- the graph task --------------------------------------------------------------
 
@@ -173,9 +169,11 @@ class GradientReducer:
         self._task = _RunningTask(
             is_boundary=is_boundary,
             contribution_scale=contribution_scale,
+            rank_scale=self.rank_scale,
             held_back=self._held_back,
             unsettled=set(self._held_back),
         )
+        self._across_now = is_boundary
         if self.param_grads is not None:
             self.param_grads.reclaim(self.plan.initial_sync)
         for state in self.states:
@@ -202,8 +200,9 @@ class GradientReducer:
             return
         kept = _kept(state)
         flat_grad = grad.detach().reshape(-1)
-        if self._task.contribution_scale != 1.0:
-            flat_grad = flat_grad * self._task.contribution_scale
+        scale = self._task.contribution_scale * self._task.rank_scale
+        if scale != 1.0:
+            flat_grad = flat_grad * scale
         self._task.has_contributions = True
         if kept.task.launched:
             self._reopen(state)
@@ -263,6 +262,7 @@ class GradientReducer:
 
     def abort_task(self) -> None:
         """A task died part-way: wait for what was launched, drop what was collected."""
+        self._across_now = False  # nothing new is issued on the way out
         self._drain()
         for state in self.states:
             kept = _kept(state)
@@ -278,11 +278,17 @@ class GradientReducer:
     # -- outside backward --------------------------------------------------------------
 
     def reduce_local(self) -> None:
-        """Reduce groups still holding local sums (a boundary step without a boundary task)."""
+        """Reduce groups not yet averaged over every rank (a boundary step without a boundary
+        task): local sums in place, shard-group averages across replicas."""
+        self._across_now = True
         for state in self.states:
-            if _kept(state).sync is GradSync.LOCAL:
+            sync = _kept(state).sync
+            if sync is GradSync.LOCAL:
                 self._launch_in_place(state)
+            elif sync is GradSync.PARTIAL:
+                self._launch_across(state, _LaunchKind.IN_PLACE_ACROSS, None)
         self._drain()
+        self._across_now = False
         self._show_param_grads()
 
     def zero(self) -> None:
@@ -314,14 +320,25 @@ class GradientReducer:
         if kept.sync is GradSync.LOCAL:
             local = kept.storage[start:end].clone()
             self.comm.all_reduce(local)
-            return local.div_(self.comm.world_size).view(shape)
+            local.div_(self.comm.world_size)
+            return self._across_replicas_now(local).view(shape)
         if self.plan.reduces_whole_buffer:
             return kept.storage[start:end].clone().view(shape)
         gathered = torch.empty(
             flat.padded_numel, dtype=kept.storage.dtype, device=kept.storage.device
         )
         self.comm.all_gather(gathered, kept.shard_of_storage())
-        return gathered[start:end].clone().view(shape)
+        part = gathered[start:end].clone()
+        if kept.sync is GradSync.PARTIAL:
+            part = self._across_replicas_now(part)
+        return part.view(shape)
+
+    def _across_replicas_now(self, shard_group_average: torch.Tensor) -> torch.Tensor:
+        """The average over every rank of values already averaged over the shard group."""
+        if self.replicas is not None:
+            self.replicas.all_reduce(shard_group_average)
+            shard_group_average.div_(self.replicas.world_size)
+        return shard_group_average
 
     # -- launching -------------------------------------------------------------------
 
@@ -358,7 +375,7 @@ class GradientReducer:
         else:
             start, end = state.flat.shard_range
             handle = self.comm.reduce_scatter(bucket[start:end], bucket, async_op=True)
-        self._track(_InFlight(state, _LaunchKind.BUCKET, handle, bucket))
+        self._track(_InFlight(state, _LaunchKind.BUCKET, handle, bucket, bucket.numel()))
 
     def _launch_in_place(self, state: GroupState) -> None:
         kept = _kept(state)
@@ -367,15 +384,33 @@ class GradientReducer:
             handle = self.comm.all_reduce(kept.storage, async_op=True)
         else:
             handle = self.comm.reduce_scatter(kept.shard_of_storage(), kept.storage, async_op=True)
-        self._track(_InFlight(state, _LaunchKind.IN_PLACE, handle, None))
+        numel = kept.storage.numel()
+        self._track(_InFlight(state, _LaunchKind.IN_PLACE, handle, None, numel))
 
-    def _note(self, state: GroupState) -> None:
+    def _launch_across(
+        self, state: GroupState, kind: _LaunchKind, bucket: torch.Tensor | None
+    ) -> None:
+        """Average a shard-group average across the replica group: the kept shard in place
+        (IN_PLACE_ACROSS), or a bucket's reduced shard before it is added (BUCKET_ACROSS)."""
+        replicas = self.replicas
+        if replicas is None:  # pragma: no cover - only launched with replicas
+            raise RuntimeError("internal error: no replica group")
+        if bucket is None:
+            target = _kept(state).shard_of_storage()
+        else:
+            start, end = state.flat.shard_range
+            target = bucket[start:end]
+        self._note(state, "reduce across replicas")
+        handle = replicas.all_reduce(target, async_op=True)
+        self._track(_InFlight(state, kind, handle, bucket, target.numel()))
+
+    def _note(self, state: GroupState, operation: str = "reduce") -> None:
         if self.order is not None:
-            self.order.note("reduce", state.order)
+            self.order.note(operation, state.order)
 
     def _track(self, inflight: _InFlight) -> None:
         self._inflight.append(inflight)
-        self._inflight_elements += inflight.state.flat.padded_numel
+        self._inflight_elements += inflight.numel
         if not self.overlap_comm:
             self._finalize_oldest()
 
@@ -389,15 +424,22 @@ class GradientReducer:
 
     def _finalize_oldest(self) -> None:
         inflight = self._inflight.popleft()
-        self._inflight_elements -= inflight.state.flat.padded_numel
+        self._inflight_elements -= inflight.numel
         inflight.handle.wait()
-        kept = _kept(inflight.state)
+        state, kind = inflight.state, inflight.kind
+        kept = _kept(state)
         world_size = self.comm.world_size
-        if inflight.kind is _LaunchKind.IN_PLACE:
+        if kind is _LaunchKind.IN_PLACE:
             if self.plan.full_reduce is FullReduce.ALL_REDUCE:
                 kept.storage.div_(world_size)
-            else:
-                kept.shard_of_storage().div_(world_size)
+                kept.sync = GradSync.AVERAGED
+                return
+            kept.shard_of_storage().div_(world_size)
+            kept.sync = GradSync.AVERAGED if self.replicas is None else GradSync.PARTIAL
+            self._go_across_if_due(state)
+            return
+        if kind is _LaunchKind.IN_PLACE_ACROSS:
+            kept.shard_of_storage().div_(self._num_replicas)
             kept.sync = GradSync.AVERAGED
             return
         bucket = inflight.bucket
@@ -405,19 +447,40 @@ class GradientReducer:
             raise RuntimeError("internal error: bucket reduction without a bucket")
         if self.plan.reduces_whole_buffer:
             kept.storage.add_(bucket.div_(world_size))
-        else:
-            start, end = inflight.state.flat.shard_range
-            kept.shard_of_storage().add_(bucket[start:end].div_(world_size))
+            self._pool.give_back(bucket)
+            return
+        start, end = state.flat.shard_range
+        if kind is _LaunchKind.BUCKET_ACROSS:
+            kept.shard_of_storage().add_(bucket[start:end].div_(self._num_replicas))
+            self._pool.give_back(bucket)
+            return
+        part = bucket[start:end].div_(world_size)
+        if kept.sync is GradSync.AVERAGED and self.replicas is not None:
+            self._launch_across(state, _LaunchKind.BUCKET_ACROSS, bucket)  # added once across
+            return
+        kept.shard_of_storage().add_(part)
         self._pool.give_back(bucket)
+        self._go_across_if_due(state)
+
+    @property
+    def _num_replicas(self) -> int:
+        return 1 if self.replicas is None else self.replicas.world_size
+
+    def _go_across_if_due(self, state: GroupState) -> None:
+        """At a boundary, a PARTIAL kept gradient whose shard-group reduction is in goes on
+        across the replicas (see [Note: gradient reduction])."""
+        if self._across_now and _kept(state).sync is GradSync.PARTIAL:
+            self._launch_across(state, _LaunchKind.IN_PLACE_ACROSS, None)
 
     def _reopen(self, state: GroupState) -> None:
-        """A contribution after the group was launched in this task (a nested task's)."""
-        for index, inflight in enumerate(self._inflight):
-            if inflight.state is state:
-                # Finish everything launched up to it, in order.
-                for _ in range(index + 1):
-                    self._finalize_oldest()
-                break
+        """A contribution after the group was launched in this task (a nested task's).
+
+        Everything launched up to the group's last reduction in flight is finished, in
+        order (a reduction across replicas follows its shard group's, so it may be
+        launched while finishing): the group has nothing in flight when it reopens.
+        """
+        while any(inflight.state is state for inflight in self._inflight):
+            self._finalize_oldest()
         _kept(state).task.launched = False
 
     def _bucket_for(self, kept: KeptGradient) -> torch.Tensor:

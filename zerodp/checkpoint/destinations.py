@@ -29,8 +29,9 @@ def fresh_tensors(saved: dict[str, TensorStorageMetadata], prefix: str) -> dict[
 
 def model_destinations(subject: CheckpointSubject, saved: dict[str, Any]) -> dict[str, Any]:
     """Where the saved values go: fp32 values (masters, when saved) into the fp32 copies."""
-    model = tensors.model_tensors(subject)
-    masters = tensors.master_tensors(subject)
+    first_rank = subject.shard_group_first_rank
+    model = tensors.model_tensors(subject, first_rank)
+    masters = tensors.master_tensors(subject, first_rank)
     destinations: dict[str, Any] = {}
     for key, tensor in model.items():
         if not key.startswith("model."):
@@ -62,7 +63,7 @@ def optimizer_destinations(
     }
     if not saved_optim:
         return {}
-    wanted = tensors.optimizer_tensors(subject, planned)
+    wanted = tensors.optimizer_tensors(subject, planned, subject.shard_group_first_rank)
     missing = sorted(set(wanted) - saved_optim)
     unexpected = sorted(saved_optim - set(wanted))
     if missing or unexpected:

@@ -13,6 +13,11 @@ gradient's `GradSync`:
   world size into a stage that accumulates locally (bitwise). Elsewhere
   every rank reads all of them and takes their average, which is what the
   boundary reduction would have made of them.
+- `grad_replica<r>.<name>`: a shard group's average (`GradSync.PARTIAL`:
+  stages 2 and 3 with shard groups that replicate each other, inside the
+  window) is replica r's own, written by shard group r. It loads back as it is
+  into the same layout (bitwise); elsewhere every rank reads all of them and
+  takes their average, as the boundary's all-reduce across replicas would.
 
 The description in zerodp_state.json records the accumulation steps (a
 window's gradients only mean something with the same number of micro-steps)
@@ -35,6 +40,7 @@ from zerodp.group import GradSync, GroupState
 
 AVERAGED = "grad."
 LOCAL = "grad_local.rank"
+PARTIAL = "grad_replica"
 
 
 def describe(subject: CheckpointSubject) -> dict[str, Any] | None:
@@ -45,6 +51,7 @@ def describe(subject: CheckpointSubject) -> dict[str, Any] | None:
         "accumulation_steps": subject.accumulation_steps,
         "loss_scale": float(subject.loss_scale()),
         "world_size": subject.comm.world_size,
+        "num_replicas": subject.num_replicas,
     }
 
 
@@ -60,6 +67,10 @@ def gradient_tensors(subject: CheckpointSubject) -> dict[str, Any]:
         if kept.sync is GradSync.LOCAL:
             start, end = state.flat.slot_of(entry.position)
             out[f"{LOCAL}{rank}.{entry.name}"] = kept.storage[start:end]
+        elif kept.sync is GradSync.PARTIAL:
+            key = f"{PARTIAL}{subject.replica_index}.{entry.name}"
+            first_rank = subject.shard_group_first_rank
+            out[key] = as_entry(kept.owned(), state, entry.position, first_rank)
         else:
             out[f"{AVERAGED}{entry.name}"] = as_entry(kept.owned(), state, entry.position)
     return out
@@ -72,6 +83,7 @@ class GradientLoad:
     destinations: dict[str, Any] = field(default_factory=dict)
     steps: list[Callable[[], None]] = field(default_factory=list)
     rescale: float = 1.0
+    own_partial: dict[GroupState, torch.Tensor] = field(default_factory=dict)  # per group
 
     def apply(self, subject: CheckpointSubject) -> None:
         """After the load (gradients zeroed): fill the kept gradients and mark them held."""
@@ -114,6 +126,12 @@ def plan_load(
         raise CheckpointError("checkpoint state: 'gradients' is damaged (scale or world size)")
     saved_world = int(info["world_size"])
     same_layout = saved_world == subject.comm.world_size and subject.local_accumulation
+    saved_replicas = info.get("num_replicas", 1)
+    if not isinstance(saved_replicas, int) or not 1 <= saved_replicas <= saved_world:
+        raise CheckpointError("checkpoint state: 'gradients' is damaged (replicas)")
+    same_replicas = (
+        saved_world == subject.comm.world_size and saved_replicas == subject.num_replicas
+    )
     fresh: dict[GroupState, torch.Tensor] = {}
     for entry in param_entries(subject):
         state = entry.state
@@ -122,7 +140,10 @@ def plan_load(
         kept = state.grads
         averaged_key = f"{AVERAGED}{entry.name}"
         local_keys = [f"{LOCAL}{r}.{entry.name}" for r in range(saved_world)]
-        if averaged_key in saved:
+        partial_keys = [f"{PARTIAL}{r}.{entry.name}" for r in range(saved_replicas)]
+        if partial_keys[0] in saved:
+            _plan_partial(plan, subject, entry.position, state, partial_keys, same_replicas)
+        elif averaged_key in saved:
             owned = fresh.get(state)
             if owned is None:
                 owned = fresh[state] = torch.zeros_like(kept.owned())
@@ -147,6 +168,43 @@ def plan_load(
     if current_scale != info["loss_scale"]:
         plan.rescale = current_scale / float(info["loss_scale"])
     return plan
+
+
+def _plan_partial(
+    plan: GradientLoad,
+    subject: CheckpointSubject,
+    position: int,
+    state: GroupState,
+    keys: list[str],
+    same_replicas: bool,
+) -> None:
+    """Shard groups' averages: this replica's own into the same layout, else their average."""
+    kept = state.grads
+    if kept is None:  # pragma: no cover - planned for trainable groups only
+        raise RuntimeError("internal error: no kept gradient")
+    if same_replicas and not kept.covers_full:  # stages 2-3 with the saved shard groups
+        own = plan.own_partial.get(state)
+        if own is None:
+            own = plan.own_partial[state] = torch.zeros_like(kept.owned())
+            plan.steps.append(_put_partial(state, own))
+        first_rank = subject.shard_group_first_rank
+        plan.destinations[keys[subject.replica_index]] = as_entry(own, state, position, first_rank)
+        return
+    numel = state.flat.layout.slots[position].numel
+    averages = [torch.zeros(numel, dtype=torch.float32) for _ in keys]
+    plan.destinations.update(zip(keys, averages, strict=True))
+    plan.steps.append(_put_average_of_sums(state, position, averages))
+
+
+def _put_partial(state: GroupState, owned: torch.Tensor) -> Callable[[], None]:
+    def put() -> None:
+        kept = state.grads
+        if kept is None:  # pragma: no cover
+            raise RuntimeError("internal error: no kept gradient")
+        kept.owned().copy_(owned)
+        kept.sync = GradSync.PARTIAL
+
+    return put
 
 
 def _put_averaged(state: GroupState, owned: torch.Tensor) -> Callable[[], None]:

@@ -45,13 +45,19 @@ class Piece:
     length: int
 
 
-def pieces_of(group: FlatGroup, position: int) -> list[Piece]:
-    """Which rank holds which part of parameter `position` of `group`'s shards."""
+def pieces_of(group: FlatGroup, position: int, first_rank: int = 0) -> list[Piece]:
+    """Which rank holds which part of parameter `position` of `group`'s shards.
+
+    The shards are those of the shard group whose first rank is `first_rank` (0: every
+    rank's group without shard groups; see [Note: shard groups]). A save describes the
+    first shard group's shards, so each is written once, not by every replica; a load
+    describes the rank's own, so every replica reads.
+    """
     found = []
     for rank in range(group.layout.world_size):
         overlap = group.layout.overlap(position, rank)
         if overlap is not None:
-            found.append(Piece(rank, overlap.param_start, overlap.numel))
+            found.append(Piece(first_rank + rank, overlap.param_start, overlap.numel))
     return found
 
 

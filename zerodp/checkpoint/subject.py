@@ -82,3 +82,12 @@ class CheckpointSubject:
     # that the save holds what the model shows (see `FlatGroup.adopt_replaced`).
     before_save: Callable[[], None] = lambda: None
     whole_tensors: WholeTensorState | None = None  # None: every optimizer steps flat shards
+    # Shard groups that replicate each other (see [Note: shard groups]): how many, and
+    # which one this rank is in. The first writes the shards; each rank reads its own.
+    num_replicas: int = 1
+    replica_index: int = 0
+
+    @property
+    def shard_group_first_rank(self) -> int:
+        """The first rank of this rank's shard group (where its loads' shards lie)."""
+        return self.replica_index * (self.comm.world_size // self.num_replicas)

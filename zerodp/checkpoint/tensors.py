@@ -4,14 +4,17 @@ Every tensor is saved as the flattened (1-D) tensor of one parameter, under
 `model.<name>` (the model's values), `master.<name>` (the optimizer copy, fp32
 master weights under mixed precision) and `optim.<name>.<key>` (optimizer
 state: per-element state such as `exp_avg` 1-D, scalar state such as `step`
-0-d). Each rank contributes the part it holds: a part of a flat group's shard
-is a 1-D chunk `[start, start + length)` of a parameter, described to DCP as
-a shard of a ShardedTensor (`zerodp.checkpoint.sharded`). Replicated values
-(stage 0, persistent groups, buffers) are plain tensors, which DCP writes
-once. The state of a parameter an optimizer steps whole (Muon's momentum,
-Adafactor's row and column moments; see `zerodp.optim.tensorwise`) is saved
-in its own shape by the rank that holds it (every rank at stage 0, written
-once). DCP reshards on load: any stage and world size can load any other's
+0-d). Each rank contributes the part it holds: a part of a flat group's
+shard is a 1-D chunk `[start, start + length)` of a parameter, described to
+DCP as a shard of a ShardedTensor (`zerodp.checkpoint.sharded`). Replicated
+values (stage 0, persistent groups, buffers) are plain tensors, which DCP
+writes once. With shard groups that replicate each other, the first shard
+group writes the shards (once, not once per replica) and every rank reads its
+own: `first_rank` says whose shards a ShardedTensor describes. The state of a
+parameter an optimizer steps whole (Muon's momentum, Adafactor's row and
+column moments; see `zerodp.optim.tensorwise`) is saved in its own shape by
+the rank that holds it (every rank at stage 0, written once). DCP reshards on
+load: any stage, world size and shard group size can load any other's
 checkpoint, since the keys and global shapes never change; a parameter's
 whole-tensor state goes to whichever rank steps it in the loading engine.
 
@@ -62,8 +65,11 @@ def owned_chunk(owned: torch.Tensor, state: GroupState, position: int) -> torch.
     return owned[overlap.shard_start : overlap.shard_end]
 
 
-def as_entry(owned: torch.Tensor, state: GroupState, position: int) -> torch.Tensor | ShardedTensor:
-    """The checkpoint tensor for one parameter's part of a tensor covering the owned range."""
+def as_entry(
+    owned: torch.Tensor, state: GroupState, position: int, first_rank: int = 0
+) -> torch.Tensor | ShardedTensor:
+    """The checkpoint tensor for one parameter's part of a tensor covering the owned range
+    (the shards of the shard group whose first rank is `first_rank`)."""
     flat = state.flat
     if flat.owns_full:  # every rank owns the whole group: a replicated value
         start, end = flat.slot_of(position)
@@ -72,12 +78,12 @@ def as_entry(owned: torch.Tensor, state: GroupState, position: int) -> torch.Ten
     return sharded_1d(
         owned_chunk(owned, state, position),
         slot.numel,
-        pieces_of(flat, position),
+        pieces_of(flat, position, first_rank),
         owned.dtype,
     )
 
 
-def model_tensors(subject: CheckpointSubject) -> dict[str, Any]:
+def model_tensors(subject: CheckpointSubject, first_rank: int = 0) -> dict[str, Any]:
     """`model.<name>` for every parameter, `buffer.<name>` for every buffer."""
     out: dict[str, Any] = {}
     for entry in param_entries(subject):
@@ -91,7 +97,7 @@ def model_tensors(subject: CheckpointSubject) -> dict[str, Any]:
             out[f"model.{entry.name}"] = sharded_1d(
                 chunk,
                 flat.layout.slots[entry.position].numel,
-                pieces_of(flat, entry.position),
+                pieces_of(flat, entry.position, first_rank),
                 flat.dtype,
             )
         else:
@@ -102,20 +108,21 @@ def model_tensors(subject: CheckpointSubject) -> dict[str, Any]:
     return out
 
 
-def master_tensors(subject: CheckpointSubject) -> dict[str, Any]:
+def master_tensors(subject: CheckpointSubject, first_rank: int = 0) -> dict[str, Any]:
     """`master.<name>`: the optimizer copies (fp32 masters), sharded like the optimizer state."""
     out: dict[str, Any] = {}
     for entry in param_entries(subject):
         state = entry.state
         if state is None or state.optim is None or state.optim.copy is None:
             continue
-        out[f"master.{entry.name}"] = as_entry(state.optim.copy, state, entry.position)
+        out[f"master.{entry.name}"] = as_entry(state.optim.copy, state, entry.position, first_rank)
     return out
 
 
 def optimizer_tensors(
     subject: CheckpointSubject,
     planned: dict[nn.Parameter, dict[str, torch.Tensor]] | None = None,
+    first_rank: int = 0,
 ) -> dict[str, Any]:
     """`optim.<name>.<key>`: per-element state sharded like the masters; scalar state replicated;
     the state of a parameter stepped whole, whole, from the rank that holds it.
@@ -146,7 +153,7 @@ def optimizer_tensors(
                 continue
             fqn = f"optim.{entry.name}.{key}"
             if value.numel() == owned.numel() and value.dim() == 1:
-                out[fqn] = as_entry(value, state, entry.position)
+                out[fqn] = as_entry(value, state, entry.position, first_rank)
             else:
                 out[fqn] = value
     return out

@@ -8,6 +8,11 @@ all-gather whose output has n elements each count n * element size; an
 all-to-all counts the bytes this rank sends to the others (its own split,
 which never leaves the rank, is not counted), so that the sum over ranks is
 the traffic.
+
+A `Comm` over a subgroup (a shard, replica or hpZ group, see
+`zerodp.comm.subgroups`) is made with `parent=` the engine's `Comm`: it counts
+into the parent's `CommStats` under its own `label`, so the totals stay in one
+place and each collective's group can still be told apart.
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ import enum
 import pickle
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zerodp.comm import failures
+from zerodp.comm import failures, objects
 from zerodp.comm.history import (
     CollectiveHistory,
     CollectiveRecord,
@@ -32,7 +38,8 @@ from zerodp.comm.history import (
 )
 from zerodp.comm.teardown import abort_group, register
 from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
-from zerodp.errors import AGREED_TYPES, AgreedError
+from zerodp.comm.whereabouts import uneven_inputs_error, whereabouts
+from zerodp.errors import AGREED_TYPES, AgreedError, CollectiveError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -47,23 +54,45 @@ class CollectiveKind(enum.Enum):
     ALL_TO_ALL = "all_to_all"
 
 
+WORLD = "world"  # the label of a `Comm` over the default group
+
+
 @dataclass
 class CommStats:
-    """Bytes and calls per collective kind since the last `reset()`."""
+    """Bytes and calls per collective kind since the last `reset()`, and bytes per group.
+
+    `by_group` counts the bytes of each (group label, kind): "world", or the label of
+    the subgroup a collective ran in ("shard", "replica", "secondary").
+    """
 
     bytes: Counter[CollectiveKind] = field(default_factory=Counter)
     calls: Counter[CollectiveKind] = field(default_factory=Counter)
+    by_group: Counter[tuple[str, CollectiveKind]] = field(default_factory=Counter)
 
-    def record(self, kind: CollectiveKind, nbytes: int) -> None:
+    def record(self, kind: CollectiveKind, nbytes: int, label: str = WORLD) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
+        self.by_group[(label, kind)] += nbytes
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.by_group.clear()
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+    def bytes_of_group(self, label: str) -> int:
+        """Bytes of the collectives that ran in the groups labelled `label`."""
+        return sum(n for (group, _), n in self.by_group.items() if group == label)
+
+    def group_snapshot(self) -> dict[str, dict[str, int]]:
+        """{label: {kind: bytes}} for every group that carried any."""
+        out: dict[str, dict[str, int]] = {}
+        for (label, kind), nbytes in sorted(self.by_group.items(), key=lambda i: i[0][0]):
+            if nbytes:
+                out.setdefault(label, {})[kind.value] = nbytes
+        return out
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {
@@ -76,17 +105,30 @@ class Handle:
     """An in-flight collective; `wait()` blocks until its result may be read.
 
     With `on_stall`, a wait that lasts calls it every second (it may raise; see
-    `zerodp.comm.waiting`). `timed`: the work honours a timed wait (gloo's reduce-scatter
-    does not).
+    `zerodp.comm.waiting`), and `on_recover` once a wait that stalled has completed.
+    `timed`: the work honours a timed wait (gloo's reduce-scatter does not).
     """
 
-    __slots__ = ("__weakref__", "_history", "_on_stall", "_record", "_watched", "_work")
+    __slots__ = (
+        "__weakref__",
+        "_history",
+        "_on_recover",
+        "_on_stall",
+        "_record",
+        "_watched",
+        "_work",
+    )
 
     def __init__(
-        self, work: Any = None, on_stall: OnStall | None = None, timed: bool = True
+        self,
+        work: Any = None,
+        on_stall: OnStall | None = None,
+        timed: bool = True,
+        on_recover: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self._on_stall = on_stall
+        self._on_recover = on_recover
         # An untimed work that is watched is waited for by the helper thread from now on.
         self._watched: WatchedWork | None = (
             watch(work) if work is not None and on_stall is not None and not timed else None
@@ -100,13 +142,14 @@ class Handle:
 
     def wait(self) -> None:
         if self._work is not None:
+            stalled = False
             try:
                 if self._on_stall is None:
                     self._work.wait()
                 elif self._watched is not None:
-                    self._watched.wait(self._on_stall)
+                    stalled = self._watched.wait(self._on_stall)
                 else:
-                    wait_timed(self._work, self._on_stall)
+                    stalled = wait_timed(self._work, self._on_stall)
             except RuntimeError as error:
                 if self._history is None or self._record is None or passes_through(error):
                     raise  # zerodp's own (a divergence found while waiting), out of memory
@@ -114,6 +157,8 @@ class Handle:
             self._work = None
             if self._history is not None and self._record is not None:
                 self._history.finish(self._record)
+            if stalled and self._on_recover is not None:
+                self._on_recover()
 
     @property
     def done(self) -> bool:
@@ -123,47 +168,133 @@ class Handle:
 _DONE = Handle()
 
 
-class Comm:
-    """The collectives of one process group (the default group unless given)."""
+def _is_gloo(group: Any) -> bool:
+    """Whether `group` runs every collective on gloo (whose waits zerodp can poll)."""
+    return str(dist.get_backend(group)) == "gloo"
 
-    def __init__(self, group: Any = None) -> None:
+
+class Comm:
+    """The collectives of one process group (the default group unless given).
+
+    With `parent`, a subgroup's collectives: counted in the parent's stats under `label`,
+    waited for with the parent's `on_stall` unless given its own, recorded in the parent's
+    history (one numbering, world ranks in messages; a failure in any of the groups aborts
+    all of them and refuses every later collective), and failures read the parent's
+    failure notices. `stall_checks`: on gloo, a wait that lasts hears what other ranks
+    posted (see [Note: uneven inputs] in `zerodp.comm.whereabouts`).
+    """
+
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        label: str = WORLD,
+        parent: Comm | None = None,
+        stall_checks: bool = True,
+    ) -> None:
         self.group = group
+        self.label = label
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.stats = CommStats()
-        # Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only).
-        self.on_stall: OnStall | None = None
+        self._parent = parent
+        self.stats: CommStats = parent.stats if parent is not None else CommStats()
+        # Called while a collective waits long (gloo only: an NCCL wait returns at once);
+        # the collective order check (zerodp.comm.order) adds its own checks. A subgroup
+        # uses its parent's unless given its own.
+        watch = parent is None and stall_checks and self.world_size > 1 and _is_gloo(group)
+        self._on_stall: OnStall | None = self._check_stall if watch else None
         # Pass notices of the order check beside the process's exit notices.
-        self.failure_boards: list[failures.FailureBoard] = []
-        # For errors that name the collective; the first one aborts the group.
-        self.history = CollectiveHistory(
-            self.rank, on_failure=self._abort_group, notices=self.failure_notices
+        self.failure_boards: list[failures.FailureBoard] = (
+            parent.failure_boards if parent is not None else []
         )
+        # For errors that name the collective; the first one aborts the group(s).
+        self._children: list[Comm] = []
+        if parent is not None:
+            parent._children.append(self)
+            self.history: CollectiveHistory = parent.history
+        else:
+            self.history = CollectiveHistory(
+                self.rank, on_failure=self._abort_group, explain=self.explain_failure
+            )
         # Collectives issued with async_op and not yet waited for (prefetched gathers,
         # the reducer's reductions): what the teardown at exit must not leave pending.
         self._in_flight: weakref.WeakSet[Handle] = weakref.WeakSet()
         register(self)  # see [Note: ending the process] in zerodp.comm.teardown
+
+    @property
+    def on_stall(self) -> OnStall | None:
+        """Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only)."""
+        if self._on_stall is None and self._parent is not None:
+            return self._parent.on_stall
+        return self._on_stall
+
+    @on_stall.setter
+    def on_stall(self, value: OnStall | None) -> None:
+        self._on_stall = value
+
+    def global_rank(self, group_rank: int) -> int:
+        """The default group's rank of this group's rank `group_rank`."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
 
     def _abort_group(self) -> None:
         """A collective failed (a peer died or froze): abort the process group.
 
         Its other in-flight collectives then fail at once instead of waiting out their
         timeouts, and none is left pending when the process exits (see [Note: ending the
-        process] in zerodp.comm.teardown).
+        process] in zerodp.comm.teardown). A peer that failed leaves every group of this
+        `Comm` suspect: its subgroups are aborted too.
         """
         abort_group(self.group)
+        for child in self._children:
+            abort_group(child.group)
 
     def failure_notices(self) -> list[failures.FailureNotice]:
         """What ranks that failed posted ([Note: failure notices]); read only on a failure."""
         notices = [notice for board in self.failure_boards for notice in board.read()]
         return failures.one_per_rank(notices + failures.read_exits())
 
+    def explain_failure(self, doing: str) -> CollectiveError | None:
+        """Why `doing` failed, when another rank said: it failed ([Note: failure notices]),
+        or it is somewhere else ([Note: uneven inputs]). None: nobody said."""
+        notices = self.failure_notices()
+        if notices:
+            return failures.peer_failed_error(notices, doing)
+        places = whereabouts().peers_elsewhere(doing)
+        if places:
+            return uneven_inputs_error(places)
+        return None
+
+    def _check_stall(self) -> None:
+        """A wait lasts: say where this rank is, and stop if another rank is stuck elsewhere."""
+        whereabouts().on_stall(self.history.waiting_in(), self._abort_for_uneven_inputs)
+
+    def _recovered(self) -> None:
+        whereabouts().recovered()
+
+    def _abort_for_uneven_inputs(self) -> None:
+        self.history.mark_broken("uneven inputs (the ranks are stuck in different places)")
+        self._abort_group()
+
     def has_in_flight(self) -> bool:
         """Whether a collective this `Comm` issued asynchronously has not been waited for."""
         return any(not handle.done for handle in list(self._in_flight))
 
+    def _polled(self, async_op: bool) -> bool:
+        """Issue asynchronously when the caller waits at once but a stall must be heard."""
+        return async_op or self.on_stall is not None
+
+    def _finish(self, work: Any, async_op: bool, timed: bool = True) -> Handle:
+        """The handle for an `async_op` caller; otherwise wait here (polled if issued so)."""
+        if async_op:
+            return self._in_flight_handle(work, timed)
+        if work is not None:
+            Handle(work, self.on_stall, timed=timed, on_recover=self._recovered).wait()
+        return _DONE
+
     def _in_flight_handle(self, work: Any, timed: bool = True) -> Handle:
-        handle = Handle(work, self.on_stall, timed=timed)
+        handle = Handle(work, self.on_stall, timed=timed, on_recover=self._recovered)
         self._in_flight.add(handle)
         return handle
 
@@ -173,10 +304,11 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
-        self.stats.record(CollectiveKind.ALL_REDUCE, tensor_nbytes(tensor))
+        self.stats.record(CollectiveKind.ALL_REDUCE, tensor_nbytes(tensor), self.label)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op)
-        return self._in_flight_handle(work) if async_op else _DONE
+        polled = self._polled(async_op)
+        work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=polled)
+        return self._finish(work, async_op)
 
     @recorded("reduce_scatter")
     def reduce_scatter(
@@ -195,9 +327,11 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DONE
-        self.stats.record(CollectiveKind.REDUCE_SCATTER, tensor_nbytes(input))
-        work = _reduce_scatter_single(output, input, group=self.group, async_op=async_op)
-        return self._in_flight_handle(work, timed=False) if async_op else _DONE
+        self.stats.record(CollectiveKind.REDUCE_SCATTER, tensor_nbytes(input), self.label)
+        work = _reduce_scatter_single(
+            output, input, group=self.group, async_op=self._polled(async_op)
+        )
+        return self._finish(work, async_op, timed=False)
 
     @recorded("all_gather")
     def all_gather(
@@ -213,9 +347,9 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _DONE
-        self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output))
-        work = _all_gather_single(output, input, group=self.group, async_op=async_op)
-        return self._in_flight_handle(work) if async_op else _DONE
+        self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output), self.label)
+        work = _all_gather_single(output, input, group=self.group, async_op=self._polled(async_op))
+        return self._finish(work, async_op)
 
     @recorded("all_to_all")
     def all_to_all(
@@ -240,7 +374,7 @@ class Comm:
             output.copy_(input)
             return
         sent = sum(n for r, n in enumerate(input_splits) if r != self.rank)
-        self.stats.record(CollectiveKind.ALL_TO_ALL, sent * input.element_size())
+        self.stats.record(CollectiveKind.ALL_TO_ALL, sent * input.element_size(), self.label)
         dist.all_to_all_single(
             output,
             input,
@@ -253,10 +387,12 @@ class Comm:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         if self.world_size == 1:
             return _DONE
-        self.stats.record(CollectiveKind.BROADCAST, tensor_nbytes(tensor))
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        work = dist.broadcast(tensor, src=global_src, group=self.group, async_op=async_op)
-        return self._in_flight_handle(work) if async_op else _DONE
+        self.stats.record(CollectiveKind.BROADCAST, tensor_nbytes(tensor), self.label)
+        global_src = self.global_rank(src)
+        work = dist.broadcast(
+            tensor, src=global_src, group=self.group, async_op=self._polled(async_op)
+        )
+        return self._finish(work, async_op)
 
     # -- decisions ---------------------------------------------------------------
 
@@ -285,6 +421,8 @@ class Comm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
+        if self.on_stall is not None:  # gloo: polled, so that a stall is heard
+            return objects.gather_objects(obj, self.group, self.world_size, self._finish)
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -293,15 +431,17 @@ class Comm:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.world_size == 1:
             return obj
+        global_src = self.global_rank(src)
+        if self.on_stall is not None:  # gloo: polled, so that a stall is heard
+            return objects.broadcast_object(obj, global_src, self.group, self._finish)
         box = [obj]
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]
 
     @recorded("barrier")
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            self._finish(dist.barrier(group=self.group, async_op=self._polled(False)), False)
 
 
 def broadcast_tensors(comm: Comm, tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -79,6 +79,14 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
+_POSTED: list[FailureNotice] = []  # this process's own notices
+
+
+def posted_any() -> bool:
+    """Whether this process told the others it failed."""
+    return bool(_POSTED)
+
+
 class FailureBoard:
     """The notices of one namespace of the process group's store.
 
@@ -101,6 +109,7 @@ class FailureBoard:
         if isinstance(error, (CollectiveError, DivergenceError)):
             return
         notice = FailureNotice(self.rank, kind, number, describe_error(error))
+        _POSTED.append(notice)
         try:
             self._store.set(_PREFIX + str(self.rank), notice.encode())
             self._store.add(_COUNT, 1)

@@ -25,7 +25,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from zerodp.comm import failures
 from zerodp.errors import CollectiveError, ZeroDPError
 
 logger = logging.getLogger("zerodp")
@@ -65,10 +64,11 @@ class CollectiveHistory:
         self,
         rank: int,
         on_failure: Callable[[], None] | None = None,
-        notices: Callable[[], list[failures.FailureNotice]] | None = None,
+        explain: Callable[[str], CollectiveError | None] | None = None,
     ) -> None:
         self.rank = rank
-        self.notices = notices  # what failed peers posted ([Note: failure notices])
+        # What other ranks said about a failure: `Comm.explain_failure`.
+        self.explain = explain
         self.count = 0
         self.records: deque[CollectiveRecord] = deque(maxlen=_KEPT)
         self.on_failure = on_failure  # the process group is unusable: the Comm aborts it
@@ -87,7 +87,8 @@ class CollectiveHistory:
     def failed(self, record: CollectiveRecord, error: BaseException) -> CollectiveError:
         """The error to raise for `record`'s failure (and log it with the history).
 
-        A `PeerFailedError` naming the rank that failed when one posted a notice.
+        A `PeerFailedError` naming the rank that failed when one posted a notice, an
+        `UnevenInputsError` when another rank posted that it is elsewhere.
         """
         now = time.monotonic()
         recent = "\n".join(f"  {r.describe(now)}" for r in self.records)
@@ -99,19 +100,29 @@ class CollectiveHistory:
             "comms_timeout_s in the config (or $ZERODP_COMMS_TIMEOUT_S). This rank's last "
             f"collectives:\n{recent}"
         )
-        notices = self.notices() if self.notices is not None else []
+        doing = f"collective {record.kind} #{record.number} (from {record.site})"
+        explained = self.explain(doing) if self.explain is not None else None
         if self.broken is None:
-            self.broken = f"collective {record.kind} #{record.number} (from {record.site})"
+            self.broken = doing
             if self.on_failure is not None:
                 self.on_failure()
-        if notices:  # a peer said why: name it first ([Note: failure notices])
-            error = failures.peer_failed_error(
-                notices, f"collective {record.kind} #{record.number} (from {record.site})"
-            )
-            logger.error("rank %d: %s", self.rank, error)
-            return error
+        if explained is not None:  # another rank said why: name it first
+            logger.error("rank %d: %s", self.rank, explained)
+            return explained
         logger.error("%s", message)
         return CollectiveError(message)
+
+    def mark_broken(self, why: str) -> None:
+        """The group is about to be aborted for `why`: nothing more is issued on it."""
+        if self.broken is None:
+            self.broken = why
+
+    def waiting_in(self) -> str:
+        """The collective this rank waits in: its oldest unfinished one."""
+        for record in self.records:
+            if record.finished is None:
+                return f"{record.kind} #{record.number} (from {record.site})"
+        return "a collective"
 
     def refuse_if_broken(self, kind: str) -> None:
         """After a failure nothing more is issued: the group is aborted, a peer is gone."""
@@ -149,7 +160,9 @@ def recorded(kind: str) -> Callable[[F], F]:
                 return method(self, *args, **kwargs)
             history: CollectiveHistory = self.history
             history.refuse_if_broken(kind)
-            record = history.issue(kind, _nbytes(args))
+            label = getattr(self, "label", "world")
+            named = kind if label == "world" else f"{kind} in the {label} group"
+            record = history.issue(named, _nbytes(args))
             try:
                 result = method(self, *args, **kwargs)
             except RuntimeError as error:

@@ -130,7 +130,14 @@ class CollectiveOrder:
         self.num_checked = 0  # collectives agreed through the store
         self.num_replayed = 0  # collectives compared with the agreed order only
         if watch_waits:  # gloo; an NCCL wait returns at once, the GPU waits (not watched)
-            comm.on_stall = self.on_stall
+            before = comm.on_stall
+
+            def on_stall() -> None:
+                self.on_stall()
+                if before is not None:
+                    before()
+
+            comm.on_stall = on_stall
 
     # -- passes ----------------------------------------------------------------------
 

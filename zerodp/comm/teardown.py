@@ -18,6 +18,9 @@ released, hits the same wall when it wakes during finalization.
 So zerodp registers `end_collectives` with `atexit` (atexit handlers run
 before finalization, while other threads may still take the GIL) and there:
 
+0. posts that the script ended, with its step counts, unless it failed: a
+   rank still waiting for this one reports uneven inputs ([Note: uneven
+   inputs] in `zerodp.comm.whereabouts`);
 1. aborts each process group that still has a zerodp collective in flight or
    whose collective failed: nothing will read those results, and a peer that
    died or froze would never complete them (an abort makes them fail at once);
@@ -25,6 +28,11 @@ before finalization, while other threads may still take the GIL) and there:
 3. destroys the process groups. The group's destructor drains gloo's queue and
    joins its worker threads with the GIL released, so every worker finishes
    its last work while the interpreter is whole.
+
+The shard, replica and hpZ groups (`zerodp.comm.subgroups`) are groups like
+any other here: each has its `Comm`, aborted in step 1 when a collective of
+its own is in flight, and `destroy_process_group()` with no argument destroys
+them with the default group in step 3.
 
 Nothing here runs when the user already destroyed the process group.
 """
@@ -41,6 +49,7 @@ import torch.distributed as dist
 
 from zerodp.comm import failures
 from zerodp.comm.waiting import stop_waiting_thread
+from zerodp.comm.whereabouts import whereabouts
 
 if TYPE_CHECKING:
     from zerodp.comm.collectives import Comm
@@ -70,6 +79,8 @@ def end_collectives() -> None:
 
     See [Note: ending the process]. Called at interpreter exit; safe to call twice.
     """
+    if _ended_cleanly():  # ranks still waiting for this one learn that its script ended
+        whereabouts().at_exit()
     for group in _groups_to_abort():
         abort_group(group)
     if not stop_waiting_thread(_STOP_WAITING_S):
@@ -91,6 +102,14 @@ def abort_group(group: Any) -> None:
         abort()
     except RuntimeError:  # pragma: no cover - the backend could not abort; it stays as is
         logger.warning("could not abort a process group")
+
+
+def _ended_cleanly() -> bool:
+    """No collective of this process failed and it posted no failure ([Note: failure
+    notices]): the script ran to its end (or exited on purpose)."""
+    if not (dist.is_available() and dist.is_initialized()) or failures.posted_any():
+        return False
+    return all(comm.history.broken is None for comm in list(_COMMS))
 
 
 def _groups_to_abort() -> list[Any]:

@@ -36,11 +36,15 @@ class WatchedWork:
         self.done = threading.Event()
         self.failed: BaseException | None = None
 
-    def wait(self, on_stall: OnStall) -> None:
+    def wait(self, on_stall: OnStall) -> bool:
+        """Wait for the work; whether the wait stalled (called `on_stall` at least once)."""
+        stalled = False
         while not self.done.wait(STALL_POLL_S):
+            stalled = True
             on_stall()
         if self.failed is not None:
             raise self.failed
+        return stalled
 
 
 def watch(work: Any) -> WatchedWork:
@@ -48,16 +52,19 @@ def watch(work: Any) -> WatchedWork:
     return _HELPER.submit(work)
 
 
-def wait_timed(work: Any, on_stall: OnStall) -> None:
-    """`work.wait()`, calling `on_stall()` every `STALL_POLL_S` seconds it lasts."""
+def wait_timed(work: Any, on_stall: OnStall) -> bool:
+    """`work.wait()`, calling `on_stall()` every `STALL_POLL_S` seconds it lasts; whether
+    it stalled."""
     timeout = datetime.timedelta(seconds=STALL_POLL_S)
+    stalled = False
     while True:
         try:
             work.wait(timeout=timeout)
-            return
+            return stalled
         except RuntimeError as error:
             if "timed out" not in str(error):
                 raise
+        stalled = True
         on_stall()
 
 

@@ -92,6 +92,62 @@ class ZeroOptimizationConfig(Section):
     ] = "holders"
     offload_param: OffloadParamConfig | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
+    # Several nodes (docs/multi-node.md): shard within groups of this many consecutive ranks
+    # and replicate across them (-1: shard over all ranks); hpZ's secondary group size at
+    # stage 3 (1: off).
+    mics_shard_size: Annotated[int, int_check(lo=-1)] = -1
+    zero_hpz_partition_size: PosInt = 1
+
+    @model_validator(mode="after")
+    def _groups_fit_the_stage(self) -> ZeroOptimizationConfig:
+        shard, hpz, stage = self.mics_shard_size, self.zero_hpz_partition_size, self.stage
+        if shard == 0:
+            raise SectionRuleError(
+                ("mics_shard_size",),
+                lambda k: (
+                    f"config key '{k[0]}': got 0; allowed: -1 (shard over all ranks) or the "
+                    "number of consecutive ranks in one shard group (e.g. the GPUs of a node)"
+                ),
+            )
+        if shard > 0 and stage == 0:
+            raise SectionRuleError(
+                ("mics_shard_size", "stage"),
+                lambda k: (
+                    f"config key '{k[0]}': got {shard} at stage 0, which shards nothing (every "
+                    f"rank keeps everything and gradients are all-reduced over all ranks): set "
+                    f"'{k[1]}' to 1, 2 or 3 to shard within groups of {shard} ranks, or '{k[0]}' "
+                    "to -1"
+                ),
+            )
+        if hpz > 1 and stage != 3:
+            raise SectionRuleError(
+                ("zero_hpz_partition_size", "stage"),
+                lambda k: (
+                    f"config key '{k[0]}': got {hpz} at stage {stage}; hpZ keeps a secondary "
+                    f"copy of stage 3's sharded parameters (stages 0-2 keep them whole): set "
+                    f"'{k[1]}' to 3, or '{k[0]}' to 1"
+                ),
+            )
+        if hpz > 1 and shard > 0 and shard % hpz != 0:
+            raise SectionRuleError(
+                ("zero_hpz_partition_size", "mics_shard_size"),
+                lambda k: (
+                    f"config key '{k[0]}': got {hpz}, which does not divide '{k[1]}' ({shard}); "
+                    f"hpZ's secondary groups lie inside a shard group: set '{k[0]}' to a "
+                    f"divisor of {shard}"
+                ),
+            )
+        offload = self.offload_param
+        if hpz > 1 and offload is not None and offload.device != "none":
+            raise SectionRuleError(
+                ("zero_hpz_partition_size", "offload_param.device"),
+                lambda k: (
+                    f"config key '{k[0]}': got {hpz} with '{k[1]}' {offload.device!r}; hpZ keeps "
+                    "a secondary copy of the parameters on the device, which parameter offload "
+                    f"moves off it: set '{k[0]}' to 1, or '{k[1]}' to \"none\""
+                ),
+            )
+        return self
 
     @model_validator(mode="after")
     def _offload_fits_the_stage(self) -> ZeroOptimizationConfig:
@@ -211,6 +267,7 @@ class ZeroDPConfig(Section):
     seed: NonNegInt | None = None
     # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
     comms_timeout_s: PosFloat | None = None  # None: $ZERODP_COMMS_TIMEOUT_S, else torch's default
+    comms_stall_checks: Bool = True  # gloo: a wait that lasts hears failures, uneven inputs
     on_non_finite: Annotated[
         Literal["warn", "skip", "raise"], choice(("warn", "skip", "raise"))
     ] = "warn"

@@ -62,7 +62,12 @@ class _TorchImplementation(Section):
 
 
 class AdamParams(_TorchImplementation):
-    """Params of "Adam" and "AdamW"; `adam_w_mode` only matters for "Adam"."""
+    """Params of "Adam" and "AdamW"; `adam_w_mode` only matters for "Adam".
+
+    `bias_correction: false` is DeepSpeed's Adam without bias correction, zerodp's own
+    `UncorrectedAdam` (torch's always corrects), which has neither amsgrad nor a fused or
+    foreach kernel.
+    """
 
     lr: PosFloat = 1e-3
     betas: Betas = (0.9, 0.999)
@@ -70,6 +75,23 @@ class AdamParams(_TorchImplementation):
     weight_decay: NonNegFloat = 0.0
     amsgrad: Bool = False
     adam_w_mode: Bool = True
+    bias_correction: Bool = True
+
+    @model_validator(mode="after")
+    def _uncorrected_has_no_variants(self) -> AdamParams:
+        if self.bias_correction:
+            return self
+        for key in ("amsgrad", "fused", "foreach"):
+            if getattr(self, key):
+                raise SectionRuleError(
+                    ("bias_correction", key),
+                    lambda k: (
+                        f"config keys '{k[0]}' false and '{k[1]}' true: Adam without bias "
+                        f"correction has no {k[1]} variant; remove '{k[1]}' or set "
+                        f"'{k[0]}' to true"
+                    ),
+                )
+        return self
 
 
 class _NoFused(Section):
@@ -166,7 +188,8 @@ OPTIMIZER_PARAMS: dict[str, type[Section]] = {
 
 OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Muon"]
 
-_NOT_TORCH_KWARGS = ("adam_w_mode",)
+_NOT_TORCH_KWARGS = ("adam_w_mode", "bias_correction")
+UNCORRECTED_ADAM = "UncorrectedAdam"  # zerodp.optim.uncorrected_adam: bias_correction false
 
 
 def validated_params(model: type[Section], params: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +220,8 @@ class OptimizerConfig(Section):
         """The `torch.optim` class name and its constructor kwargs.
 
         DeepSpeed's "Adam" means decoupled weight decay unless `adam_w_mode` is
-        false, so it maps to torch's AdamW by default. Switches left unset
+        false, so it maps to torch's AdamW by default; with `bias_correction` false
+        either is zerodp's `UncorrectedAdam`. Switches left unset
         (`foreach`, `fused`: null) are not passed, so torch chooses. "Muon" is
         two optimizers: see `zerodp.optim.muon_config`.
         """
@@ -206,6 +230,13 @@ class OptimizerConfig(Section):
         name: str = self.type
         if name == "Adam" and self.params["adam_w_mode"]:
             name = "AdamW"
+        if name in ("Adam", "AdamW") and not self.params["bias_correction"]:
+            kwargs = {k: self.params[k] for k in ("lr", "eps", "weight_decay")}
+            return UNCORRECTED_ADAM, {
+                **kwargs,
+                "betas": tuple(self.params["betas"]),
+                "adam_w_mode": name == "AdamW",
+            }
         kwargs = {
             k: v for k, v in self.params.items() if k not in _NOT_TORCH_KWARGS and v is not None
         }

@@ -35,10 +35,12 @@ from torch.utils.hooks import RemovableHandle
 from zerodp.accessors import FullStateAccessor
 from zerodp.backward.hooks import RootHooks, install_parameter_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle
-from zerodp.backward.reducer import GradientReducer, GradStorage
+from zerodp.backward.plan import GradStorage
+from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
 from zerodp.comm.group import comms_timeout
+from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
@@ -50,6 +52,7 @@ from zerodp.group import (
     HostBuffers,
     KeptGradient,
     OptimizerParam,
+    SecondaryShard,
 )
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
 from zerodp.monitor.sinks import Monitor
@@ -61,7 +64,7 @@ from zerodp.offload.setup import (
     optimizer_copies,
     place_param_shards,
 )
-from zerodp.optim.factory import optimizer_sources
+from zerodp.optim.factory import optimizer_sources, steps_fused
 from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
 from zerodp.optim.parts import OptimizerSource
@@ -100,6 +103,7 @@ class EngineParts:
     """Everything an engine is made of; `ZeroEngine` holds it and delegates."""
 
     comm: Comm
+    comms: GroupComms  # the shard, replica and hpZ groups (see [Note: shard groups])
     device: torch.device
     strategy: StageStrategy
     precision: PrecisionPolicy
@@ -128,7 +132,7 @@ class EngineParts:
 class EngineCallbacks:
     """The engine's own reactions to lifecycle events (it counts micro-steps, so it decides)."""
 
-    on_forward_start: Callable[[], None]
+    on_forward_start: Callable[[tuple[Any, ...], dict[str, Any]], None]
     is_boundary: Callable[[], bool]
     prologue_scale: Callable[[], float]
 
@@ -147,7 +151,15 @@ def assemble(
     collate_fn: Any = None,
 ) -> EngineParts:
     zero = config.zero_optimization
-    strategy = strategy_for(zero.stage)
+    timeout = comms_timeout(config.comms_timeout_s)
+    comms = group_comms(
+        comm,
+        shard_size=zero.mics_shard_size,
+        secondary_size=zero.zero_hpz_partition_size,
+        timeout=timeout,
+    )
+    shard_comm = comms.shard
+    strategy = strategy_for(zero.stage, across_replicas=comms.topology.hybrid)
     policy = precision_policy(config)
     lifecycle = BackwardLifecycle()
     decision = decide_mode(module, config.optimizer, user_optimizer)
@@ -162,12 +174,12 @@ def assemble(
             config.optimizer,
             specs,
             {id(p): name for name, p in module.named_parameters()},
-            prefer_fused=offload.offloads_optimizer,
+            prefer_fused=offload.offloads_optimizer or steps_fused(device),
         )
 
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
-    layout = _lay_out(module, config, comm, device, strategy, specs)
+    layout = _lay_out(module, config, shard_comm, device, strategy, specs)
     _sync_from_rank0(module, layout, comm, device)
     storage = None
     if offload.offloads_optimizer or offload.offloads_params:
@@ -186,18 +198,19 @@ def assemble(
         place_param_shards(layout.groups, offload, storage)
     groups = GroupIndex(
         [
-            _group_state(flat, order, strategy, policy, comm, copies.get(order))
+            _group_state(flat, order, strategy, policy, comms, copies.get(order))
             for order, flat in enumerate(layout.groups)
         ]
     )
 
     reducer = GradientReducer(
         groups.trainable,
-        comm,
+        shard_comm,
         strategy.reduction,
         comm_dtype=policy.comm_dtype,
         max_inflight_elements=zero.reduce_bucket_size,
         overlap_comm=zero.overlap_comm,
+        replicas=comms.replica,
     )
     params: ParamRuntime
     if strategy.shards_params:
@@ -206,17 +219,19 @@ def assemble(
             module,
             groups,
             layout.module_params,
-            comm,
+            comms,
             lifecycle,
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
             reducer=reducer,
             check_order=zero.stage3_check_order,
-            order_timeout_s=_seconds(comms_timeout(config.comms_timeout_s)),
+            order_timeout_s=_seconds(timeout),
         )
     else:
-        params = ResidentParams(groups, comm, publish_after_step=strategy.gathers_params_after_step)
+        params = ResidentParams(
+            groups, shard_comm, publish_after_step=strategy.gathers_params_after_step
+        )
     gate = StepGate(
         lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
     )
@@ -228,14 +243,14 @@ def assemble(
     train_state = TrainState()
 
     def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
-        return tensorwise_step(states, config, comm, device, step_shapes)
+        return tensorwise_step(states, config, shard_comm, device, step_shapes)
 
     parts = optimizer_parts(decision, sources, specs, groups, offload, make_tensorwise)
     inner = parts.inner
     optimizer = ZeroOptimizer(
         parts,
         reducer=reducer,
-        comm=comm,
+        comm=shard_comm,  # a norm counts each shard once: replicas hold copies
         states=groups.trainable,
         sharded_grads=strategy.shards_optimizer_state,
         params=params,
@@ -264,6 +279,7 @@ def assemble(
     handles: list[Removable] = [*hook_handles, *frozen, posttrain.offload]
     return EngineParts(
         comm=comm,
+        comms=comms,
         device=device,
         strategy=strategy,
         precision=policy,
@@ -277,7 +293,7 @@ def assemble(
         optimizer=optimizer,
         tensorwise=parts.tensorwise,
         full_state=FullStateAccessor(
-            comm=comm,
+            comm=shard_comm,
             groups=groups,
             reducer=reducer,
             optimizer=inner,
@@ -324,6 +340,7 @@ def _lay_out(
         optimizer_group,
         keep_sharded=strategy.shards_params,
         persistence_threshold=zero.stage3_param_persistence_threshold,
+        num_shards=comm.world_size,
     )
     return build_layout(
         module,
@@ -378,7 +395,7 @@ def _group_state(
     order: int,
     strategy: StageStrategy,
     policy: PrecisionPolicy,
-    comm: Comm,
+    comms: GroupComms,
     copy: tuple[torch.Tensor, HostBuffers | None] | None,
 ) -> GroupState:
     state = GroupState(flat, order)
@@ -394,7 +411,10 @@ def _group_state(
             flat, None if copy is None else copy[0], host=None if copy is None else copy[1]
         )
     if not flat.persistent:
-        state.gather = GatherState(flat, comm)
+        secondary = None
+        if comms.secondary is not None:  # hpZ: see [Note: hpZ secondary shard]
+            secondary = SecondaryShard(flat.padded_numel, comms.secondary)
+        state.gather = GatherState(flat, comms.shard, secondary)
     return state
 
 

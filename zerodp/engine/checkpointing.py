@@ -11,6 +11,8 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
+from zerodp.comm.subgroups import GroupComms
+from zerodp.comm.whereabouts import Activity, whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.group import GroupIndex
@@ -25,6 +27,7 @@ class CheckpointMethods:
 
     # Provided by ZeroEngine.
     comm: Comm
+    comms: GroupComms
     module: nn.Module
     groups: GroupIndex
     optimizer: ZeroOptimizer
@@ -50,7 +53,9 @@ class CheckpointMethods:
         visible (renamed, then `latest` updated) only once every rank has finished.
         Returns the checkpoint's path. See zerodp.checkpoint for the format.
         """
-        return str(save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state))
+        with whereabouts().doing(Activity.SAVING):  # see [Note: uneven inputs]
+            path = save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state)
+        return str(path)
 
     def load_checkpoint(
         self,
@@ -70,15 +75,16 @@ class CheckpointMethods:
         `load_dir`, nothing is loaded and (None, None) is returned, as in DeepSpeed.
         What was restored and what not is logged and kept in `last_load_report`.
         """
-        path, client, self.last_load_report = load_any_checkpoint(
-            self._checkpoint_subject(),
-            load_dir,
-            tag=tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-            verify_checksums=verify_checksums,
-        )
+        with whereabouts().doing(Activity.LOADING):  # see [Note: uneven inputs]
+            path, client, self.last_load_report = load_any_checkpoint(
+                self._checkpoint_subject(),
+                load_dir,
+                tag=tag,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+                verify_checksums=verify_checksums,
+            )
         self.gate.on_load()
         return path, client
 
@@ -109,4 +115,6 @@ class CheckpointMethods:
             gradients_loaded=self.gate.on_gradients_loaded,
             before_save=self.optimizer.adopt_replaced_params,
             whole_tensors=self.optimizer.parts.tensorwise,
+            num_replicas=self.comms.topology.num_replicas,
+            replica_index=self.comms.topology.replica_index,
         )

@@ -17,7 +17,7 @@ from torch import nn
 
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
-from zerodp.errors import UsageError
+from zerodp.errors import NonScalarLossError, UsageError
 from zerodp.group import GroupIndex
 from zerodp.monitor.memory import ModelStateTensors
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
@@ -33,7 +33,7 @@ def check_loss(loss: Any, what: str) -> None:
     if not isinstance(loss, torch.Tensor):
         raise UsageError(f"{what} expects a tensor loss, got {type(loss).__name__}")
     if loss.numel() != 1:
-        raise UsageError(
+        raise NonScalarLossError(
             f"{what} needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first "
             "(e.g. loss.mean()), or for a non-scalar tensor call tensor.backward(gradient) "
             "yourself (zerodp reduces it just the same)"
@@ -256,8 +256,13 @@ def model_state_tensors(
         ]
     shards = [s.flat.shard for s in states if not s.flat.shard_offloaded]
     host_shards = [s.flat.shard for s in states if s.flat.shard_offloaded]
+    secondary = [  # hpZ's copies ([Note: hpZ secondary shard]), kept while stale too
+        s.gather.secondary.copy
+        for s in states
+        if s.gather is not None and s.gather.secondary is not None
+    ]
     return ModelStateTensors(
-        params=[s.flat.full for s in states] + shards + loose,
+        params=[s.flat.full for s in states] + shards + loose + secondary,
         grads=[s.grads.storage for s in states if s.grads is not None]
         + [p.grad for p in module.parameters() if p.grad is not None],
         optimizer=device_state + copies,

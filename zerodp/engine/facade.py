@@ -24,6 +24,7 @@ from zerodp.backward.step_gate import GradientState
 from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.group import local_rank
+from zerodp.comm.whereabouts import whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import EngineCallbacks, Removable, assemble
@@ -34,6 +35,7 @@ from zerodp.engine.deepspeed_methods import (
     check_loss,
     model_state_tensors,
 )
+from zerodp.engine.join import JoinMethods
 from zerodp.engine.startup_checks import check_ranks_agree
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.group import ParamStatus
@@ -49,7 +51,7 @@ logger = logging.getLogger("zerodp")
 _TORCH_BACKWARD_KWARGS = frozenset({"gradient", "create_graph", "inputs"})
 
 
-class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods):
+class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods, JoinMethods):
     """What `zerodp.initialize` returns: the model wrapped for ZeRO training.
 
     Call it like the model (`engine(batch)`), then `engine.backward(loss)` (or
@@ -69,7 +71,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods)
     ) -> None:
         ensure_process_group(config.comms_timeout_s)
         managed.refuse_managed(module)
-        comm = Comm()
+        comm = Comm(stall_checks=config.comms_stall_checks)
         check_ranks_agree(comm, config, module)  # one small collective, before any other
         self.config = config
         self.module = module
@@ -77,6 +79,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods)
         self.last_load_report: LoadReport | None = None  # what the last load restored
         self._boundary_override: bool | None = None
         self._no_sync_depth = 0
+        self._init_join()
         parts = assemble(
             module,
             config,
@@ -94,6 +97,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods)
             collate_fn=collate_fn,
         )
         self.comm = parts.comm
+        self.comms = parts.comms  # shard, replica and hpZ groups (docs/multi-node.md)
         self.device = parts.device
         self.strategy = parts.strategy
         self.precision = parts.precision
@@ -117,16 +121,19 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         self._guard = guards.ModuleGuard(module)
         self._handles.append(self._guard)
+        state = self.train_state  # its step counts, should this rank get stuck (uneven inputs)
+        whereabouts().track(lambda: (state.global_steps, state.micro_steps))
         guards.mark_own_optimizer(self.optimizer)
         guards.mark_own_optimizer(self.optimizer.inner)
         managed.register(self, self.groups.params)
 
     # -- lifecycle callbacks -------------------------------------------------------------
 
-    def _on_forward_start(self) -> None:
+    def _on_forward_start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not autograd_api.in_backward():
             self._guard.check_forward()
             self.ensure_no_stale_backward()
+            self._announce_round(args, kwargs)  # inside engine.join() only
 
     def _unscaled_backward_factor(self) -> float:
         """What a backward's gradients are multiplied by when its loss was not `scale()`d.

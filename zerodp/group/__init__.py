@@ -27,6 +27,12 @@ The words the code uses for the tensors of one flat group, defined once:
   rank's local sum or averaged over ranks.
 - bucket: a reusable full-size buffer one graph task's contribution is
   collected in before it is reduced into the kept gradient.
+- secondary shard: hpZ's cached copy of a sharded group's H-th inside a
+  smaller group (`SecondaryShard`, see [Note: hpZ secondary shard]).
+
+With shard groups (see [Note: shard groups] in `zerodp.comm.topology`) "the
+world size" above is the shard group's size and "this rank's shard" the one at
+its place in its shard group.
 
 `GroupState` holds a group's `FlatGroup`, its `KeptGradient` and
 `OptimizerParam` (trainable groups) and its `GatherState` (sharded groups);
@@ -39,6 +45,7 @@ kept gradients, `zerodp.params` decides when sharded groups are gathered,
 from zerodp.group.gather import GatherState, ParamStatus
 from zerodp.group.gradients import GradSync, KeptGradient, TaskContribution
 from zerodp.group.optimizer_param import HostBuffers, OptimizerParam
+from zerodp.group.secondary import SecondaryShard
 from zerodp.group.state import GroupIndex, GroupState
 
 __all__ = [
@@ -50,5 +57,6 @@ __all__ = [
     "KeptGradient",
     "OptimizerParam",
     "ParamStatus",
+    "SecondaryShard",
     "TaskContribution",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 
 from zerodp.comm import Comm, Handle
 from zerodp.errors import ParamStateError
+from zerodp.group.secondary import SecondaryShard
 from zerodp.partition import FlatGroup
 
 
@@ -46,14 +47,20 @@ class GatherState:
     Transitions are named after the state they reach and check where they
     come from; a wrong order raises `ParamStateError` naming the parameters.
     Building one frees the group's full buffer: a sharded group starts
-    NOT_AVAILABLE.
+    NOT_AVAILABLE. `comm` is the group the shards are spread over (the shard
+    group); with `secondary` (hpZ) a gather uses the secondary shards while they
+    are valid (see [Note: hpZ secondary shard]).
     """
 
-    def __init__(self, flat: FlatGroup, comm: Comm) -> None:
+    def __init__(
+        self, flat: FlatGroup, comm: Comm, secondary: SecondaryShard | None = None
+    ) -> None:
         if flat.persistent:
             raise ValueError(f"{flat} is persistent: its full buffer is never released")
         self.flat = flat
         self.comm = comm
+        self.secondary = secondary
+        self._from_primary = False  # the gather in flight reads the primary shards
         self._numel = flat.padded_numel  # asked at every prefetch decision: computed once
         self.holds = 0  # forward scopes and GatheredParameters blocks using the group now
         self._handle: Handle | None = None  # set exactly while INFLIGHT
@@ -92,6 +99,17 @@ class GatherState:
     def numel(self) -> int:
         return self._numel
 
+    @property
+    def gathers_from_secondary(self) -> bool:
+        """Whether the next gather reads the secondary shards (hpZ, while they are valid)."""
+        return self.secondary is not None and self.secondary.valid
+
+    def shard_changed(self) -> None:
+        """The group's values changed (a step, a load, a published write): a secondary shard
+        is stale from now on (see [Note: hpZ secondary shard])."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
     # -- transitions (named after the state they reach) -------------------------------
 
     def to_inflight(self) -> None:
@@ -103,6 +121,12 @@ class GatherState:
         self._require({ParamStatus.NOT_AVAILABLE}, ParamStatus.INFLIGHT)
         flat = self.flat
         flat.alloc_full()
+        if self.secondary is not None and self.secondary.valid:
+            self._handle = self.secondary.gather_into(flat.full)
+            self._from_primary = False
+            self.status = ParamStatus.INFLIGHT
+            return
+        self._from_primary = True
         source = flat.shard
         if flat.shard_offloaded:
             start, end = flat.shard_range
@@ -120,6 +144,9 @@ class GatherState:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        if self._from_primary and self.secondary is not None:
+            self.secondary.take_from(self.flat.full)  # before anything can write into it
+        self._from_primary = False
         self.status = ParamStatus.AVAILABLE
         self._set_class(0)
 

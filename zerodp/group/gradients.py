@@ -18,12 +18,18 @@ class GradSync(enum.Enum):
 
     LOCAL: this rank's unreduced sum (stages 0 and 1 between accumulation
         boundaries); reduced in place, once, by the boundary task.
+    PARTIAL: averaged over this rank's shard group only (shard groups that
+        replicate each other, between boundaries; see [Note: shard groups] in
+        `zerodp.comm.topology`); averaged across the replica group in place,
+        once, at the boundary. Later contributions are reduced in the shard
+        group and added.
     AVERAGED: averaged over ranks; later contributions are reduced on their
-        own and added (stages 2 and 3 always; stages 0 and 1 after the boundary
-        reduction until `zero_grad()`).
+        own and added (stages 2 and 3 without replicas always; every stage
+        after the boundary reduction until `zero_grad()`).
     """
 
     LOCAL = "local"
+    PARTIAL = "partial"
     AVERAGED = "averaged"
 
 

@@ -76,6 +76,8 @@ class GroupState:
             flat.full[start:end].copy_(flat_value.to(flat.full))
         if not flat.persistent:
             _write_part(flat.shard, flat.shard_range, start, end, flat_value)
+        if self.gather is not None:
+            self.gather.shard_changed()
         if self.optim is not None and self.optim.copy is not None:
             _write_part(self.optim.copy, flat.owned_range, start, end, flat_value)
 

@@ -90,7 +90,8 @@ class ZeroDPStrategy(DDPStrategy):
         if module is None:
             raise UsageError("ZeroDPStrategy.setup: no LightningModule is connected")
         _refuse_unsupported(trainer, module, self.precision_plugin)
-        assert self.accelerator is not None
+        if self.accelerator is None:
+            raise RuntimeError("internal error: Lightning connected no accelerator before setup")
         self.accelerator.setup(trainer)
         self.model_to_device()
         self.setup_optimizers(trainer)
@@ -147,7 +148,8 @@ class ZeroDPStrategy(DDPStrategy):
         """
         engine = self._require_engine()
         module = self.lightning_module
-        assert module is not None
+        if module is None:
+            raise RuntimeError("internal error: a backward with no LightningModule connected")
         boundary = self._stepping
         engine.set_gradient_accumulation_boundary(boundary)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)

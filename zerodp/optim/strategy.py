@@ -12,13 +12,18 @@ stage 1: optimizer state sharded; gradients kept full, local until the
 stage 2: optimizer state and gradients sharded (reduce-scatter in every
          backward); parameters full, all-gathered after the step.
 stage 3: all three sharded; parameters gathered only while in use.
+
+With shard groups that replicate each other (`mics_shard_size`, see [Note:
+shard groups] in `zerodp.comm.topology`) stages 1-3 shard within the shard
+group and average gradients across replicas at the boundary
+(`ReductionPlan.across_replicas`); stage 0 shards nothing and refuses them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerodp.backward.reducer import FullReduce, GradStorage, ReductionPlan
+from zerodp.backward.plan import FullReduce, GradStorage, ReductionPlan
 
 
 @dataclass(frozen=True)
@@ -31,16 +36,22 @@ class StageStrategy:
     gathers_params_after_step: bool  # stages 1, 2 (and stage 3's persistent parameters)
 
 
-def _plan(storage: GradStorage, full_reduce: FullReduce, stage: int) -> ReductionPlan:
+def _plan(
+    storage: GradStorage, full_reduce: FullReduce, stage: int, across_replicas: bool = False
+) -> ReductionPlan:
     return ReductionPlan(
         storage=storage,
         full_reduce=full_reduce,
         defer_to_boundary=storage is GradStorage.FULL,
         expose_param_grads=stage == 0,
+        across_replicas=across_replicas,
     )
 
 
-def strategy_for(stage: int) -> StageStrategy:
+def strategy_for(stage: int, across_replicas: bool = False) -> StageStrategy:
+    """The strategy of `stage`; `across_replicas`: shard groups replicate each other."""
+    if across_replicas and stage == 0:
+        raise ValueError("stage 0 shards nothing: it has no shard groups to replicate")
     if stage == 0:
         return StageStrategy(
             stage=0,
@@ -54,7 +65,7 @@ def strategy_for(stage: int) -> StageStrategy:
         storage = GradStorage.FULL if stage == 1 else GradStorage.SHARD
         return StageStrategy(
             stage=stage,
-            reduction=_plan(storage, FullReduce.REDUCE_SCATTER, stage),
+            reduction=_plan(storage, FullReduce.REDUCE_SCATTER, stage, across_replicas),
             optimizer_owns_full_group=False,
             shards_optimizer_state=True,
             shards_params=stage == 3,

@@ -438,7 +438,9 @@ class ParamCoordinator:
     def _issue(self, state: GroupState, gather: GatherState) -> None:
         """Start gathering `state` (its place in the collective order checked first)."""
         if self.order is not None:
-            self.order.note("gather", state.order)
+            # hpZ: which group the gather runs in is part of its place in the order.
+            operation = "gather secondary" if gather.gathers_from_secondary else "gather"
+            self.order.note(operation, state.order)
         self._count_in(gather)
         gather.to_inflight()
 

@@ -47,7 +47,11 @@ class DivergenceExplainer:
         if state is None:  # pragma: no cover - entries always name a group
             return f"{operation}s group {tag}"
         modules = ", ".join(f"`{m or self._root_name}`" for m in _modules_of(state)[:3])
-        verb = "gathers the parameters of" if operation == "gather" else "reduces the gradients of"
+        verb = {
+            "gather": "gathers the parameters of",
+            "gather secondary": "gathers (from hpZ's secondary shards) the parameters of",
+            "reduce across replicas": "averages across replicas the gradients of",
+        }.get(operation, "reduces the gradients of")
         return f"{verb} {modules} ({_shown(state.names)})"
 
     def advise(self, entries: list[Entry]) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.comm import Comm, default_device, ensure_process_group
+from zerodp.comm.subgroups import group_comms
 from zerodp.config import load_config
 from zerodp.errors import ParamStateError
 from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
@@ -60,13 +61,16 @@ class Init:
             return self
         ensure_process_group()
         comm = Comm()
+        shard_comm = comm
+        if self.config is not None:
+            zero = load_config(self.config, world_size=comm.world_size).zero_optimization
+            if self.persistence_threshold is None:
+                self.persistence_threshold = zero.stage3_param_persistence_threshold
+            # Shards laid out in the engine's shard groups (see [Note: shard groups]).
+            shard_comm = group_comms(comm, shard_size=zero.mics_shard_size).shard
         if self.persistence_threshold is None:
             self.persistence_threshold = 0
-            if self.config is not None:
-                resolved = load_config(self.config, world_size=comm.world_size)
-                zero = resolved.zero_optimization
-                self.persistence_threshold = zero.stage3_param_persistence_threshold
-        self._owner = InitOwner(comm, default_device())
+        self._owner = InitOwner(comm, default_device(), shard_comm)
         self._owner.on_unshard = self._reshard_later
         registration = torch.nn.modules.module
         self._handles = [
@@ -128,10 +132,15 @@ class Init:
 
 
 class InitOwner:
-    """Owns the groups sharded by `Init` until `zerodp.initialize` adopts them."""
+    """Owns the groups sharded by `Init` until `zerodp.initialize` adopts them.
 
-    def __init__(self, comm: Comm, device: torch.device) -> None:
+    `comm` (every rank) publishes rank 0's values; `shard_comm` is the group the shards
+    are spread over (every rank, unless the config has shard groups).
+    """
+
+    def __init__(self, comm: Comm, device: torch.device, shard_comm: Comm | None = None) -> None:
         self.comm = comm
+        self.shard_comm = comm if shard_comm is None else shard_comm
         self.device = device
         self.index = GroupIndex()
         self.on_unshard: Callable[[GroupState], None] = lambda state: None
@@ -140,8 +149,8 @@ class InitOwner:
         flat = FlatGroup(
             params=params,
             names=names,
-            world_size=self.comm.world_size,
-            rank=self.comm.rank,
+            world_size=self.shard_comm.world_size,
+            rank=self.shard_comm.rank,
             device=self.device,
             param_group_index=-1,
             persistent=False,
@@ -149,7 +158,8 @@ class InitOwner:
         self.comm.broadcast(flat.full, src=0)
         flat.take_shard_from_full()
         # Groups are numbered in creation order, the same on every rank.
-        state = GroupState(flat, order=len(self.index), gather=GatherState(flat, self.comm))
+        gather = GatherState(flat, self.shard_comm)
+        state = GroupState(flat, order=len(self.index), gather=gather)
         self.index.add(state)
         for param in params:
             zero_parameter.adopt(param, self)
@@ -269,13 +279,16 @@ def adopt_init_groups(
     trainable_groups: dict[int, int],
     keep_sharded: bool,
     persistence_threshold: int,
+    num_shards: int,
 ) -> list[FlatGroup]:
     """Hand `Init`'s groups over to an engine being built for `module`.
 
     A group is kept sharded as it is when the engine shards parameters, all of
     its parameters are still in the module (tying may have replaced some), they
-    share one optimizer param group and whether they require grad, and none is
-    below the persistence threshold. Any other group is gathered and its parameters made plain, so
+    share one optimizer param group and whether they require grad, none is
+    below the persistence threshold, and it has the engine's `num_shards` (the
+    shard group's size: `Init` without the engine's config shards over all
+    ranks). Any other group is gathered and its parameters made plain, so
     that the engine lays them out afresh (copying their values).
     """
     present = {id(p) for p in module.parameters()}
@@ -291,6 +304,7 @@ def adopt_init_groups(
             and same_grad
             and all(id(p) in present for p in params)
             and all(p.numel() >= persistence_threshold for p in params)
+            and state.flat.layout.world_size == num_shards
         )
         if not keep:
             state.sharded_gather.to_available()

@@ -19,6 +19,7 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
 from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.subgroups import GroupComms
 from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.coordinator import ParamCoordinator
@@ -79,7 +80,7 @@ class Stage3Runtime:
         root: nn.Module,
         index: GroupIndex,
         module_params: dict[nn.Module, list[nn.Parameter]],
-        comm: Comm,
+        comms: GroupComms,
         lifecycle: BackwardLifecycle,
         *,
         prefetch_numel: int,
@@ -90,7 +91,7 @@ class Stage3Runtime:
         order_timeout_s: float | None = None,
     ) -> None:
         self.index = index
-        self.comm = comm
+        self.comm = comms.shard  # persistent groups are gathered in the shard group
         module_groups: dict[nn.Module, list[GroupState]] = {}
         for module, direct in module_params.items():
             states: list[GroupState] = []
@@ -110,11 +111,12 @@ class Stage3Runtime:
             gradients=reducer,
         )
         self.order: CollectiveOrder | None = None
-        if check_order and comm.world_size > 1:
+        if check_order and comms.world.world_size > 1:
             explainer = DivergenceExplainer(root, index)
             on_cpu = all(s.flat.device.type == "cpu" for s in index)
+            # Every rank takes part in a pass; the subgroups' waits are watched through it.
             self.order = CollectiveOrder(
-                comm,
+                comms.world,
                 describe=explainer.describe,
                 advise=explainer.advise,
                 timeout_s=order_timeout_s,
@@ -162,7 +164,10 @@ class Stage3Runtime:
         """Release what may go, then refresh every trainable group still gathered.
 
         After a step only persistent groups (and groups someone holds) are gathered.
+        Every secondary shard is stale now (see [Note: hpZ secondary shard]).
         """
+        for state in self.sharded_states:
+            state.sharded_gather.shard_changed()
         self.release_all()
         resident = []
         for state in self.index.trainable:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from zerodp.comm import Comm
+from zerodp.comm.subgroups import GroupComms
 from zerodp.group import GroupIndex
 from zerodp.posttrain import PostTraining
 from zerodp.posttrain.generation import GenerationReport
@@ -29,6 +30,7 @@ class PostTrainingMethods:
     # Provided by ZeroEngine.
     module: nn.Module
     comm: Comm
+    comms: GroupComms
     groups: GroupIndex
     params: ParamRuntime
     device: torch.device
@@ -87,7 +89,7 @@ class PostTrainingMethods:
         return FullParameterStream(
             self.module,
             self.groups,
-            self.comm,
+            self.comms.shard,  # the shards' group: each part comes from the rank holding it
             coordinator_of(self.params),
             bucket_bytes=bucket_bytes,
             dtype=dtype,

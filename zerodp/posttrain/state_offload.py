@@ -256,6 +256,9 @@ class StateOffload:
                 by_kind[Kind.lp_params] += flat.params
             if not flat.shard_offloaded:
                 by_kind[Kind.lp_params].append(flat.shard)
+            secondary = None if state.gather is None else state.gather.secondary
+            if secondary is not None and secondary.copy is not None:
+                by_kind[Kind.lp_params].append(secondary.copy)  # hpZ's copy moves with them
             if optim is not None and not optim.offloaded:
                 if optim.copy is not None:
                     by_kind[Kind.hp_params].append(optim.copy)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zerodp.config.compat.deepcompile import DEEPCOMPILE_KNOBS
 from zerodp.config.compat.kinds import (
     ANY,
     BOOL,
@@ -53,27 +54,6 @@ class Ignored:
     same: Callable[[Any], bool] = _always  # the values that ask for what zerodp does anyway
     differs: str = ""  # what to tell a config whose value asks for something else
 
-
-# DeepCompile's settings in DeepSpeed's `compile` block, with their defaults.
-_DEEPCOMPILE_KNOBS: tuple[tuple[str, Kind, Any], ...] = (
-    ("autoep_non_moe", BOOL, False),
-    ("free_activation", BOOL, False),
-    ("free_activation_threshold", INT, 10 * 1024 * 1024),
-    ("offload_activation", BOOL, False),
-    ("offload_activation_pin_memory", BOOL, True),
-    ("offload_opt_states", BOOL, False),
-    ("double_buffer", BOOL, True),
-    ("symmetric_memory", BOOL, False),
-    ("debug_log", BOOL, False),
-    ("offload_parameters", BOOL, False),
-    ("sync_before_reduce", BOOL, False),
-    ("sync_after_reduce", BOOL, False),
-    ("sync_before_allgather", BOOL, False),
-    ("sync_after_allgather", BOOL, False),
-    ("keep_int_input_tensors", BOOL, True),
-    ("keep_all_input_tensors", BOOL, False),
-    ("passes", nullable(LIST), None),
-)
 
 _FP16_ONLY = "bf16 needs no loss scaling (an fp16 key)"
 _NO_OFFLOAD = "a tuning of DeepSpeed's CPU offload; zerodp's offload needs none"
@@ -294,6 +274,13 @@ IGNORED: tuple[Ignored, ...] = (
         "zerodp has no broadcast-based parameter update; it all-gathers",
     ),
     Ignored(
+        "zero_optimization.mics_hierarchical_params_gather",
+        BOOL,
+        "a shard group gathers with one all-gather (its backend follows the topology)",
+        _is(False),
+        "zerodp has no two-step (across nodes, then within each) gather",
+    ),
+    Ignored(
         "zero_optimization.allgather_bucket_size",
         INT,
         "zerodp all-gathers each flat group whole; zero_optimization.reduce_bucket_size "
@@ -489,6 +476,6 @@ IGNORED: tuple[Ignored, ...] = (
             _is(default),
             "DeepCompile is not implemented",
         )
-        for name, kind, default in _DEEPCOMPILE_KNOBS
+        for name, kind, default in DEEPCOMPILE_KNOBS
     ),
 )

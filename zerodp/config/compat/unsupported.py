@@ -198,12 +198,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         _is(None),
     ),
     Unsupported(
-        "zero_optimization.zero_hpz_partition_size",
-        "ZeRO++ hierarchical partitioning (hpZ)",
-        "set it to 1",
-        _is(1),
-    ),
-    Unsupported(
         "zero_optimization.zero_quantized_weights",
         "ZeRO++ quantized weights",
         "set it to false",
@@ -228,29 +222,10 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         _is(None),
     ),
     Unsupported(
-        "zero_optimization.mics_shard_size",
-        "MiCS sub-group sharding",
-        "set it to -1 (zerodp shards over all ranks)",
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v <= 0,
-    ),
-    Unsupported(
-        "zero_optimization.mics_hierarchical_params_gather",
-        "MiCS hierarchical gathers",
-        "set it to false",
-        _is(False),
-    ),
-    Unsupported(
         "zero_optimization.zenflow",
         "ZenFlow",
         "remove it",
         _is(None),
-    ),
-    Unsupported(
-        "optimizer.params.bias_correction",
-        "Adam without bias correction",
-        "remove the key or set it to true: torch's Adam and AdamW always bias-correct",
-        _is(True),
-        off_why="torch's Adam and AdamW always bias-correct",
     ),
 )
 
