@@ -806,3 +806,13 @@ def test_whole_tensor_optimizers_in_shard_groups_match_one_process(
         assert compared == result["compared"], result
         expected_replicas = 2 if LAYOUTS[result["case"][0]][1] == 2 else 1
         assert result["replicas"] == expected_replicas, result
+
+
+def test_join_in_shard_groups_matches_the_reference(pool: WorkerPool) -> None:
+    """Ranks with 4, 2, 3 and 1 batches under `engine.join()`, in shard groups of 2 (and hpZ)."""
+    from tests.distributed.test_join import join_matches_the_reference
+
+    quiet = {"mics_shard_size": 2, "zero_hpz_partition_size": 1}
+    for stages, zero in (([1, 3], quiet), ([3], {**quiet, "zero_hpz_partition_size": 2})):
+        for errors in pool.run(join_matches_the_reference, stages, zero, timeout_s=600):
+            assert errors and all(error < 1e-6 for error in errors.values()), (zero, errors)
