@@ -225,14 +225,16 @@ def _groups_per_block(engine: zerodp.ZeroEngine, model: TinyGPT) -> list[int]:
 def default_units_match_reference() -> dict[str, list[int]]:
     """With the default config each GPT block is one unit (one sharded group, gathered at the
     block's boundary, nothing inside it hooked), training stays exact against the
-    data-parallel reference; a block over `stage3_max_live_parameters` falls back to one
-    group per module, and `stage3_units: "modules"` asks for that everywhere."""
+    data-parallel reference; a block over `stage3_max_live_parameters` or
+    `stage3_prefetch_bucket_size` falls back to one group per module, and
+    `stage3_units: "modules"` asks for that everywhere."""
     cfg = _gpt_config()
     block_numel = sum(p.numel() for p in TinyGPT(cfg).blocks[0].parameters())
     cases: dict[str, tuple[int, dict[str, Any]]] = {
         "default, threshold 0": (0, {}),
         "default, threshold 100": (100, {}),  # biases and norms persistent, weights in the unit
         "oversize block": (0, {"stage3_max_live_parameters": block_numel - 1}),
+        "block over the prefetch bucket": (0, {"stage3_prefetch_bucket_size": block_numel - 1}),
         "modules": (0, {"stage3_units": "modules"}),
     }
     found = {}
@@ -271,7 +273,7 @@ def test_default_units_are_the_blocks_and_exact(pools) -> None:
     assert found["default, threshold 0, units"] == [1] * n_layer, found
     assert found["default, threshold 100"] == [1] * n_layer, found
     assert found["default, threshold 100, units"] == [1] * n_layer, found
-    for per_module in ("oversize block", "modules"):
+    for per_module in ("oversize block", "block over the prefetch bucket", "modules"):
         assert all(n > 1 for n in found[per_module]), (per_module, found)
         assert found[per_module + ", units"] == [0] * n_layer, (per_module, found)
 

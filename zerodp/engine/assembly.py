@@ -356,7 +356,7 @@ def _lay_out(
         units=UnitRule(
             kind=zero.stage3_units,
             numel=zero.stage3_unit_numel,
-            max_block_numel=zero.stage3_max_live_parameters,
+            max_block_numel=min(zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size),
         ),
         unit_excluded=set(leaf_modules(module)),
     )

@@ -77,7 +77,9 @@ class UnitRule:
 
     `numel` > 0 (`stage3_unit_numel`) takes precedence: units by size. Otherwise
     `kind` "blocks" makes each repeated block of at most `max_block_numel`
-    elements one unit, and "modules" keeps one group per module.
+    elements one unit (the engine passes the smaller of `stage3_prefetch_bucket_size`
+    and `stage3_max_live_parameters`: a unit gathered whole then holds no more than
+    prefetching may already hold), and "modules" keeps one group per module.
     """
 
     kind: str = "modules"
