@@ -74,20 +74,16 @@ def _assert_agreed(results: list[tuple[str, float]], *fragments: str) -> str:
 # -- diverging in the first pass (checked through the store) -----------------------------------
 
 
-def moe_first_step(units: str = "modules") -> tuple[str, float] | bool:
-    """With one group per module, ranks routing to different experts gather different groups.
-    With each block one unit (the default), every rank gathers the whole block, experts and
-    all, so nothing diverges."""
+def moe_first_step() -> tuple[str, float]:
+    """One group per module: ranks routing to different experts gather different groups. (With
+    each block one unit, the default, every rank gathers the whole block, but a rank whose
+    tokens skip an expert completes the block's gradient early, which the check reports as a
+    reduction while others gather; leaves are the answer either way.)"""
     torch.manual_seed(0)
     cfg = MoEConfig()
     model = MoELM(cfg)
-    engine = _engine(model, stage3_units=units)
+    engine = _engine(model, stage3_units="modules")
     tokens = moe_inputs(dist.get_rank(), 0, cfg)
-    if units == "blocks":
-        engine.backward(lm_loss(engine(tokens), tokens))
-        engine.step()
-        engine.destroy()
-        return True
     return _error_of(lambda: engine.backward(lm_loss(engine(tokens), tokens)))
 
 
@@ -101,10 +97,6 @@ def test_moe_without_leaves_raises_on_every_rank(pools, world_size: int) -> None
         "set_z3_leaf_modules(model, [MoEBlock])",
     )
     assert "inside `blocks.0.moe` (MoEBlock)" in message
-
-
-def test_moe_blocks_as_units_do_not_diverge(pools) -> None:
-    assert pools(2).run(moe_first_step, "blocks", timeout_s=60) == [True, True]
 
 
 def vision_first_step() -> tuple[str, float]:
