@@ -49,6 +49,7 @@ class EngineSpec:
     stage: int
     check_order: bool = True  # zerodp stage 3's collective order check (off: "-nocheck")
     stall_checks: bool = True  # zerodp's comms_stall_checks (off: "-nowatch")
+    units: str = ""  # zerodp stage 3's stage3_units if not the engine's default ("-modules")
 
     @property
     def label(self) -> str:
@@ -56,6 +57,7 @@ class EngineSpec:
             f"{self.engine}-{self.stage}" if self.engine in ("zerodp", "deepspeed") else self.engine
         )
         base = base if self.check_order else f"{base}-nocheck"
+        base = f"{base}-{self.units}" if self.units else base
         return base if self.stall_checks else f"{base}-nowatch"
 
 
@@ -67,14 +69,17 @@ ALL_SPECS: tuple[EngineSpec, ...] = (
     *(EngineSpec("deepspeed", s) for s in (1, 2, 3)),
 )
 # Not in "all": zerodp without its collective order check (stage 3) or without its stall
-# checks (uneven inputs, failed peers), to measure what each costs.
+# checks (uneven inputs, failed peers), to measure what each costs; stage 3 with one group
+# per module (`stage3_units: "modules"`, the default before blocks were units).
 UNCHECKED_SPEC = EngineSpec("zerodp", 3, check_order=False)
 VARIANT_SPECS: tuple[EngineSpec, ...] = (
     UNCHECKED_SPEC,
+    EngineSpec("zerodp", 3, units="modules"),
     *(EngineSpec("zerodp", s, stall_checks=False) for s in (1, 2, 3)),
 )
 ENGINE_CHOICES = (
-    "ddp, zerodp, zerodp0..zerodp3, zerodp3nocheck, zerodp1nowatch..zerodp3nowatch, fsdp2, "
+    "ddp, zerodp, zerodp0..zerodp3, zerodp3nocheck, zerodp3modules, "
+    "zerodp1nowatch..zerodp3nowatch, fsdp2, "
     "zero_redundancy, deepspeed, deepspeed1..3"
 )
 
@@ -106,7 +111,7 @@ class TrainSettings:
     persistence_threshold: int
     prefetch_bucket_size: int
     dtype: str = "fp32"
-    unit_numel: int = 0  # zerodp's stage3_unit_numel (FSDP2's per-block units, chosen by size)
+    unit_numel: int = 0  # zerodp's stage3_unit_numel (units by size; 0: the engine's default)
 
     @property
     def bf16(self) -> bool:
@@ -190,6 +195,8 @@ class ZeroDPRunner(Runner):
         config = settings.zerodp_config(spec.stage)
         config["zero_optimization"]["stage3_check_order"] = spec.check_order
         config["comms_stall_checks"] = spec.stall_checks
+        if spec.units:
+            config["zero_optimization"]["stage3_units"] = spec.units
         if isinstance(model, LossModel) and model.leaf_classes:
             zerodp.zero.set_z3_leaf_modules(model, model.leaf_classes)
         self.engine, _, _, _ = zerodp.initialize(model=model, config=config)

@@ -78,6 +78,7 @@ _COLUMNS = (
 def _engine_cell(row: Row) -> str:
     notes = [] if row.spec.check_order else ["no order check"]
     notes += [] if row.spec.stall_checks else ["no stall checks"]
+    notes += [f"units: {row.spec.units}"] if row.spec.units else []
     return f"{row.spec.engine} ({', '.join(notes)})" if notes else row.spec.engine
 
 

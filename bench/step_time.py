@@ -79,7 +79,13 @@ MODEL_DEFAULTS: dict[str, dict[str, int]] = {
 }
 GENERIC_DEFAULTS: dict[str, int] = {"micro_batch": 8, "persistence_threshold": 10_000}
 # Engines whose per-block cost the "per-module cost" line reports (stage 3 ones).
-PER_MODULE_ENGINES = ("zerodp-3", "zerodp-3-nocheck", "fsdp2", "deepspeed-3")
+PER_MODULE_ENGINES = (
+    "zerodp-3",
+    "zerodp-3-nocheck",
+    "zerodp-3-modules",
+    "fsdp2",
+    "deepspeed-3",
+)
 # Engines that cannot train the MoE model as it is (FSDP2 wraps whole blocks only here).
 MOE_UNSUPPORTED = ("fsdp2",)
 _START = time.perf_counter()
@@ -118,8 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--unit-numel",
         type=int,
-        default=100_000,
-        help="zerodp stage3_unit_numel: modules this small are gathered as one unit (0: off)",
+        default=0,
+        help="zerodp stage3_unit_numel: modules this small are gathered as one unit (0: the "
+        "engine's default, each repeated block one unit)",
     )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")

@@ -3,9 +3,9 @@
 zerodp's hooks run outside compiled graphs; see [Note: stage 3 under torch.compile]
 (`zerodp.params.compiled`) for stage 3. What this module decides:
 
-- which modules are the model's blocks: the children of a `ModuleList` or
-  `Sequential` whose children (two or more) all have one class, the usual
-  stack of transformer blocks;
+- which modules are the model's blocks: `zerodp.partition.blocks.repeated_blocks`
+  (the children of a `ModuleList` or `Sequential` whose children, two or more,
+  all have one class: the usual stack of transformer blocks);
 - at stage 3, which modules are gathered as one unit (a leaf): every module
   the user compiled by itself (`torch.compile(block)`), and the blocks of a
   model compiled whole (`torch.compile(model)`); the graph breaks only at
@@ -26,21 +26,9 @@ from torch import nn
 from zerodp.config import CompileConfig
 from zerodp.errors import ConfigError
 from zerodp.params.leaf import mark_leaf_modules
+from zerodp.partition.blocks import repeated_blocks
 
 _COMPILED = torch._dynamo.eval_frame.OptimizedModule
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of every ModuleList/Sequential whose 2+ children share one class."""
-    blocks: list[nn.Module] = []
-    for module in model.modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        alike = len(children) >= 2 and len({type(c) for c in children}) == 1
-        if alike and not any(c in blocks for c in children):
-            blocks += [c for c in children if next(iter(c.children()), None) is not None]
-    return blocks
 
 
 def _inner(module: nn.Module) -> nn.Module:

@@ -155,7 +155,9 @@ def _assert_units_formed(model: nn.Module, engine: zerodp.ZeroEngine, units: tup
 def group_count(structure: str) -> int:
     """How many groups `structure` is laid out in without units (threshold 0)."""
     torch.manual_seed(0)
-    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=0)
+    config = zerodp_config(
+        3, optimizer=ADAMW, persistence_threshold=0, zero={"stage3_units": "modules"}
+    )
     engine, _, _, _ = zerodp.initialize(model=STRUCTURES[structure][0](), config=config)
     count = len(engine.groups)
     engine.destroy()
@@ -205,6 +207,75 @@ def units_match_reference() -> None:
 
 def test_units_match_reference(pools) -> None:
     pools(2).run(units_match_reference)
+
+
+# -- the default units: one per repeated block (stage3_units "blocks") -------------------------
+
+
+def _groups_per_block(engine: zerodp.ZeroEngine, model: TinyGPT) -> list[int]:
+    """How many sharded groups each block's parameters live in."""
+    index = engine.params.index
+    counts = []
+    for block in model.blocks:
+        states = [index.state_of(p) for p in block.parameters()]
+        counts.append(len({id(s) for s in states if s is not None and not s.flat.persistent}))
+    return counts
+
+
+def default_units_match_reference() -> dict[str, list[int]]:
+    """With the default config each GPT block is one unit (one sharded group, gathered at the
+    block's boundary, nothing inside it hooked), training stays exact against the
+    data-parallel reference; a block over `stage3_max_live_parameters` or
+    `stage3_prefetch_bucket_size` falls back to one group per module, and
+    `stage3_units: "modules"` asks for that everywhere."""
+    cfg = _gpt_config()
+    block_numel = sum(p.numel() for p in TinyGPT(cfg).blocks[0].parameters())
+    cases: dict[str, tuple[int, dict[str, Any]]] = {
+        "default, threshold 0": (0, {}),
+        "default, threshold 100": (100, {}),  # biases and norms persistent, weights in the unit
+        "oversize block": (0, {"stage3_max_live_parameters": block_numel - 1}),
+        "block over the prefetch bucket": (0, {"stage3_prefetch_bucket_size": block_numel - 1}),
+        "modules": (0, {"stage3_units": "modules"}),
+    }
+    found = {}
+    for label, (threshold, zero) in cases.items():
+        torch.manual_seed(0)
+        model = TinyGPT(cfg)
+        ref_model = copy.deepcopy(model)
+        config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=threshold, zero=zero)
+        engine, _, _, _ = zerodp.initialize(model=model, config=config)
+        coordinator = engine.params.coordinator
+        found[label] = _groups_per_block(engine, model)
+        blocks_are_units = [
+            not any(coordinator.owns_groups(m) for m in block.modules() if m is not block)
+            for block in model.blocks
+        ]
+        found[label + ", units"] = [int(u) for u in blocks_are_units]
+        reference = ReferenceDP(ref_model, _reference_adamw)
+        for step in range(3):
+            x = gpt_tokens(dist.get_rank(), step, cfg)
+            engine.backward(_loss(engine(x)))
+            reference.run_backward(lambda x=x, m=ref_model: _loss(m(x)).backward())
+            assert_grads_match(model, reference, f"{label}, step {step}")
+            engine.step()
+            reference.step()
+            reference.zero_grad()
+            assert_all_released(model, 3)
+            assert_params_match(model, reference, f"{label}, after step {step}")
+        engine.destroy()
+    return found
+
+
+def test_default_units_are_the_blocks_and_exact(pools) -> None:
+    found = pools(2).run(default_units_match_reference)[0]
+    n_layer = _gpt_config().n_layer
+    assert found["default, threshold 0"] == [1] * n_layer, found
+    assert found["default, threshold 0, units"] == [1] * n_layer, found
+    assert found["default, threshold 100"] == [1] * n_layer, found
+    assert found["default, threshold 100, units"] == [1] * n_layer, found
+    for per_module in ("oversize block", "block over the prefetch bucket", "modules"):
+        assert all(n > 1 for n in found[per_module]), (per_module, found)
+        assert found[per_module + ", units"] == [0] * n_layer, (per_module, found)
 
 
 # -- zero.Init -----------------------------------------------------------------------------
@@ -286,8 +357,10 @@ def reduction_buckets_with_persistent_groups() -> dict[str, int]:
     cfg = TinyGPTConfig(vocab_size=128, seq_len=16, n_layer=4, n_head=2, d_model=64)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
-    # Biases and norms (< 1000 elements) persistent; each block's weights one group each.
-    config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=1000)
+    # Biases and norms (< 1000 elements) persistent; each module's weights one group each.
+    config = zerodp_config(
+        3, optimizer=ADAMW, persistence_threshold=1000, zero={"stage3_units": "modules"}
+    )
     config["zero_optimization"]["reduce_bucket_size"] = 20_000
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     generator = torch.Generator().manual_seed(dist.get_rank())

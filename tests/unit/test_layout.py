@@ -104,3 +104,23 @@ def test_units_are_the_outermost_small_modules_that_run_a_forward() -> None:
     assert unit_of[root.leafy[0]] is root.leafy[0]
     assert plan_units(root, 0) == {}
     assert plan_units(root, 10**9)[root.big] is root.big  # the root itself never is one
+
+
+def test_block_units_are_the_repeated_blocks_within_the_bound() -> None:
+    from zerodp.partition.blocks import plan_block_units
+
+    root = torch.nn.Module()
+    root.embed = torch.nn.Linear(4, 4)  # outside every block: never a unit here
+    root.blocks = torch.nn.ModuleList([_block(), _block(), _block()])
+    root.mixed = torch.nn.Sequential(_block(), torch.nn.Linear(4, 4))  # two classes: no blocks
+    block_numel = sum(p.numel() for p in root.blocks[0].parameters())
+    unit_of = plan_block_units(root, block_numel, excluded={root.blocks[2][1]})
+    for block in root.blocks[:2]:
+        assert all(unit_of[m] is block for m in block.modules())
+    # A block holding an excluded module (a leaf) is not a unit, nor is anything in it.
+    assert not any(m in unit_of for m in root.blocks[2].modules())
+    assert not any(m in unit_of for m in (root, root.embed, root.blocks, *root.mixed.modules()))
+    # Over the bound: no unit; the root is never one, even when it is a stack of blocks.
+    assert plan_block_units(root, block_numel - 1) == {}
+    stack = torch.nn.Sequential(_block(), _block())
+    assert set(plan_block_units(stack, 10**9).values()) == set(stack.children())

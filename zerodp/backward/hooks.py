@@ -3,13 +3,19 @@
 - On the root module's forward outputs: the first of them to receive a
   gradient in a graph task starts that task's lifecycle, including tasks that
   accumulate no `.grad` (`torch.autograd.grad`).
-- On each trainable parameter, before its gradient is accumulated: makes sure
-  the task's prologue ran before autograd touches `param.grad`.
 - On each trainable parameter, after its gradient is accumulated: hands the
-  gradient to the reducer. See [Note: gradient reduction].
+  gradient to the reducer. See [Note: gradient reduction]. When this hook is
+  the first of a new task, its observation runs the prologue with the freshly
+  accumulated gradient kept aside (`BackwardLifecycle.accumulated_grad_hook`).
+- At stage 0 only, on each trainable parameter, before its gradient is
+  accumulated: makes sure the task's prologue ran before autograd touches
+  `param.grad`. Stage 0 shows the kept gradients as `param.grad` between
+  tasks; autograd would add into those views in place, so the prologue must
+  take them back first. At stages 1-3 `.grad` is None between tasks and this
+  second hook per parameter is not installed.
 
-Every hook is registered through `BackwardLifecycle.hook` (see
-[Note: backward lifecycle]).
+Every hook is registered through `BackwardLifecycle.hook` or
+`BackwardLifecycle.accumulated_grad_hook` (see [Note: backward lifecycle]).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ def install_parameter_hooks(
     states: list[GroupState], lifecycle: BackwardLifecycle, reducer: GradientReducer
 ) -> list[RemovableHandle]:
     handles = []
+    shows_grads = reducer.param_grads is not None  # stage 0: `.grad` views between tasks
     before_accumulate = lifecycle.hook(_nothing)
     for state in states:
         for position, param in enumerate(state.params):
@@ -44,10 +51,13 @@ def install_parameter_hooks(
             ) -> None:
                 reducer.contribute(state, position, param)  # type: ignore[arg-type]
 
-            handles.append(param.register_hook(before_accumulate))
-            handles.append(
-                param.register_post_accumulate_grad_hook(lifecycle.hook(after_accumulate))
-            )
+            hook: Callable[[torch.Tensor], None]
+            if shows_grads:
+                handles.append(param.register_hook(before_accumulate))
+                hook = lifecycle.hook(after_accumulate)
+            else:
+                hook = lifecycle.accumulated_grad_hook(after_accumulate)
+            handles.append(param.register_post_accumulate_grad_hook(hook))
     return handles
 
 

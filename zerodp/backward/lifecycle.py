@@ -96,6 +96,27 @@ class BackwardLifecycle:
 
         return observed
 
+    def accumulated_grad_hook(
+        self, fn: Callable[[torch.Tensor], None]
+    ) -> Callable[[torch.Tensor], None]:
+        """`fn` as a post-accumulate-grad hook on a parameter, observed as `hook` does.
+
+        It may be the first hook of its task (a backward that reaches a parameter before
+        any forward output, such as a forward the engine's hooks did not see). Its
+        observation then runs the prologue, which sets every `.grad` to None; the
+        gradient autograd has just accumulated is read before and put back after it, so
+        one hook per parameter is enough where `.grad` is None between tasks (stages
+        1-3; see [Note: gradient reduction]).
+        """
+
+        def observed(param: torch.Tensor) -> None:
+            grad = param.grad
+            self.observe()
+            param.grad = grad
+            fn(param)
+
+        return observed
+
     def register_user_hooks(
         self, prologue: TaskCallback | None, epilogue: TaskCallback | None
     ) -> list[RemovableHandle]:

@@ -82,6 +82,9 @@ class ZeroOptimizationConfig(Section):
     stage3_prefetch_bucket_size: NonNegInt = 50_000_000
     stage3_max_live_parameters: PosInt = 1_000_000_000
     stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    # zerodp's: stage 3 units: each repeated block gathered as one ("blocks") or one group per
+    # module ("modules"); stage3_unit_numel > 0 takes precedence (units by size).
+    stage3_units: Annotated[Literal["blocks", "modules"], choice(("blocks", "modules"))] = "blocks"
     stage3_unit_numel: NonNegInt = 0  # zerodp's: modules this small are gathered as one unit
     stage3_gather_16bit_weights_on_model_save: Bool = False
     leaf_module: LeafModuleConfig = LeafModuleConfig()

@@ -77,7 +77,7 @@ from zerodp.params.init import adopt_init_groups
 from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
 from zerodp.partition import FlatGroup
-from zerodp.partition.builder import ModelLayout, build_layout
+from zerodp.partition.builder import ModelLayout, UnitRule, build_layout
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import (
     FrozenByEngine,
@@ -353,7 +353,11 @@ def _lay_out(
         persistence_threshold=zero.stage3_param_persistence_threshold,
         owns_full=strategy.optimizer_owns_full_group,
         presharded=presharded,
-        unit_numel=zero.stage3_unit_numel,
+        units=UnitRule(
+            kind=zero.stage3_units,
+            numel=zero.stage3_unit_numel,
+            max_block_numel=min(zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size),
+        ),
         unit_excluded=set(leaf_modules(module)),
     )
 

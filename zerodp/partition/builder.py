@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerodp.partition.blocks import claim_units, plan_block_units
 from zerodp.partition.flat_group import FlatGroup
 from zerodp.partition.planner import GroupPlan, ParamInfo, plan_buckets, plan_stage3
 from zerodp.torch_internals import direct_parameters
@@ -50,15 +51,11 @@ def describe_params(
     return params, infos, module_params
 
 
-def _runs_forward(module: nn.Module) -> bool:
-    """Containers (ModuleList, ModuleDict) are never called: no hook of theirs ever fires."""
-    return type(module).forward is not nn.Module.forward
-
-
 def plan_units(
     module: nn.Module, max_numel: int, excluded: set[nn.Module] | None = None
 ) -> dict[nn.Module, nn.Module]:
-    """Stage 3 units: module -> the outermost module whose subtree is gathered as one.
+    """Stage 3 units by size (`stage3_unit_numel`): module -> the outermost module whose
+    subtree is gathered as one.
 
     A module other than the root becomes a unit when it runs a forward of its
     own, its subtree holds at most `max_numel` parameter elements (each shared
@@ -70,18 +67,31 @@ def plan_units(
     """
     if max_numel <= 0:
         return {}
-    excluded = excluded or set()
-    unit_of: dict[nn.Module, nn.Module] = {}
-    for sub in module.modules():
-        if sub is module or sub in unit_of or not _runs_forward(sub):
-            continue
-        inside = list(sub.modules())
-        numel = sum(p.numel() for p in sub.parameters())
-        if numel == 0 or numel > max_numel or any(m in excluded for m in inside):
-            continue
-        for member in inside:
-            unit_of.setdefault(member, sub)
-    return unit_of
+    candidates = [m for m in module.modules() if m is not module]
+    return claim_units(candidates, max_numel, excluded or set())
+
+
+@dataclass(frozen=True)
+class UnitRule:
+    """How stage 3 groups modules into units (see docs/stage3.md#units).
+
+    `numel` > 0 (`stage3_unit_numel`) takes precedence: units by size. Otherwise
+    `kind` "blocks" makes each repeated block of at most `max_block_numel`
+    elements one unit (the engine passes the smaller of `stage3_prefetch_bucket_size`
+    and `stage3_max_live_parameters`: a unit gathered whole then holds no more than
+    prefetching may already hold), and "modules" keeps one group per module.
+    """
+
+    kind: str = "modules"
+    numel: int = 0
+    max_block_numel: int = 0
+
+    def plan(self, module: nn.Module, excluded: set[nn.Module]) -> dict[nn.Module, nn.Module]:
+        if self.numel > 0:
+            return plan_units(module, self.numel, excluded)
+        if self.kind == "blocks":
+            return plan_block_units(module, self.max_block_numel, excluded)
+        return {}
 
 
 def _apply_units(
@@ -110,7 +120,7 @@ def build_layout(
     persistence_threshold: int,
     owns_full: bool = False,
     presharded: list[FlatGroup] | None = None,
-    unit_numel: int = 0,
+    units: UnitRule | None = None,
     unit_excluded: set[nn.Module] | None = None,
 ) -> ModelLayout:
     """Flat groups for `module`; `trainable_groups` maps id(param) to its optimizer group.
@@ -118,12 +128,12 @@ def build_layout(
     Stages 0-2 lay out trainable parameters only (frozen ones stay as they
     are); stage 3 shards frozen parameters too, since they take memory alike.
     `owns_full` (stage 0) makes each rank's optimizer own whole groups.
-    `unit_numel` (stage 3): see `plan_units`; a unit's sharded parameters share
-    one flat group (per dtype, optimizer param group and trainability).
+    `units` (stage 3): see `UnitRule`; a unit's sharded parameters share one
+    flat group (per dtype, optimizer param group and trainability).
     """
     params, infos, module_params = describe_params(module, trainable_groups)
-    if shard_params and unit_numel > 0:
-        unit_of = plan_units(module, unit_numel, unit_excluded)
+    if shard_params and units is not None:
+        unit_of = units.plan(module, unit_excluded or set())
         if unit_of:
             index_of = {m: i for i, m in enumerate(module.modules())}
             modules = list(index_of)
