@@ -15,7 +15,8 @@ The third argument is a directory the uneven scenario may save into.
   next step, fails with a `PeerFailedError` that names rank 1's error (exit 1).
 - `uneven_save`: stage 2, rank 1 has one batch fewer and goes on to save a checkpoint while
   rank 0 trains its last step; both raise `UnevenInputsError` naming each rank's place and
-  step counts, within seconds of the stall (`comms_timeout_s` is 120) (exit 1).
+  step counts, within seconds of the stall (`comms_timeout_s` is 300), and both processes end
+  at once (exit 1) rather than at the timeout.
 - `uneven_end`: stage 3, rank 1 has one batch fewer and its script ends (exit 0); rank 0
   raises `UnevenInputsError` naming that (exit 1).
 - `oom_forward`: rank 1 runs out of memory inside its third forward at stage 3 (exit 1); rank 0
@@ -121,7 +122,7 @@ def main() -> None:
         _train(engine, rank, range(2, 4))
     elif scenario in ("uneven_save", "uneven_end"):
         stage = 2 if scenario == "uneven_save" else 3
-        engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(stage, timeout=120))
+        engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(stage, timeout=300))
         start = time.monotonic()
         try:
             _train(engine, rank, range(4 - rank))  # rank 1 has one batch fewer

@@ -36,7 +36,7 @@ from zerodp.comm.history import (
     recorded,
     tensor_nbytes,
 )
-from zerodp.comm.teardown import abort_group, register
+from zerodp.comm.teardown import abandon, abort_group, register
 from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
 from zerodp.comm.whereabouts import uneven_inputs_error, whereabouts
 from zerodp.errors import AGREED_TYPES, AgreedError, CollectiveError
@@ -255,13 +255,14 @@ class Comm:
         notices = [notice for board in self.failure_boards for notice in board.read()]
         return failures.one_per_rank(notices + failures.read_exits())
 
-    def explain_failure(self, doing: str) -> CollectiveError | None:
-        """Why `doing` failed, when another rank said: it failed ([Note: failure notices]),
-        or it is somewhere else ([Note: uneven inputs]). None: nobody said."""
+    def explain_failure(self, waiting_in: str) -> CollectiveError | None:
+        """Why the collective `waiting_in` (as `CollectiveHistory.waiting_in` names it)
+        failed, when another rank said: it failed ([Note: failure notices]), or it is
+        somewhere else ([Note: uneven inputs]). None: nobody said."""
         notices = self.failure_notices()
         if notices:
-            return failures.peer_failed_error(notices, doing)
-        places = whereabouts().peers_elsewhere(doing)
+            return failures.peer_failed_error(notices, f"collective {waiting_in}")
+        places = whereabouts().peers_elsewhere(waiting_in)
         if places:
             return uneven_inputs_error(places)
         return None
@@ -274,8 +275,11 @@ class Comm:
         whereabouts().recovered()
 
     def _abort_for_uneven_inputs(self) -> None:
-        self.history.mark_broken("uneven inputs (the ranks are stuck in different places)")
-        self._abort_group()
+        why = "uneven inputs (the ranks are stuck in different places)"
+        self.history.mark_broken(why)
+        abandon(self.group, why)
+        for child in self._children:
+            abort_group(child.group)
 
     def has_in_flight(self) -> bool:
         """Whether a collective this `Comm` issued asynchronously has not been waited for."""

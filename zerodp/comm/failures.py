@@ -158,6 +158,13 @@ def one_per_rank(notices: list[FailureNotice]) -> list[FailureNotice]:
 
 _installed = threading.Lock()
 _INSTALLED: list[bool] = []
+_UNCAUGHT: list[str] = []  # the exception nobody caught, as the excepthook saw it
+
+
+def ended_by_uncaught_exception() -> bool:
+    """Whether an exception nobody caught (other than KeyboardInterrupt) is ending this
+    process, so that its exit status is Python's 1."""
+    return bool(_UNCAUGHT)
 
 
 def install_excepthook() -> None:
@@ -171,7 +178,10 @@ def install_excepthook() -> None:
         def hook(
             kind: type[BaseException], value: BaseException, trace: TracebackType | None
         ) -> None:
-            board = None if isinstance(value, KeyboardInterrupt) else process_board()
+            interrupted = isinstance(value, KeyboardInterrupt)
+            if not interrupted:
+                _UNCAUGHT.append(kind.__name__)
+            board = None if interrupted else process_board()
             if board is not None:
                 board.post(value)
             previous(kind, value, trace)

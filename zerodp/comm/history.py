@@ -100,8 +100,9 @@ class CollectiveHistory:
             "comms_timeout_s in the config (or $ZERODP_COMMS_TIMEOUT_S). This rank's last "
             f"collectives:\n{recent}"
         )
-        doing = f"collective {record.kind} #{record.number} (from {record.site})"
-        explained = self.explain(doing) if self.explain is not None else None
+        place = f"{record.kind} #{record.number} (from {record.site})"  # as `waiting_in`
+        doing = f"collective {place}"
+        explained = self.explain(place) if self.explain is not None else None
         if self.broken is None:
             self.broken = doing
             if self.on_failure is not None:

@@ -29,6 +29,18 @@ before finalization, while other threads may still take the GIL) and there:
    joins its worker threads with the GIL released, so every worker finishes
    its last work while the interpreter is whole.
 
+A collective abandoned on the way (the ranks were found stuck in different
+places: [Note: uneven inputs]) is different: gloo's abort does not end a
+collective its worker is already running, which waits on its peer's socket
+until the peer's process ends or the group's timeout passes. Its peer is
+stuck the same way, so step 3 would wait out the timeout (half an hour by
+default) on both sides after the error was printed. When such a process is
+ending by an exception nobody caught (exit status 1), it flushes its output
+and ends at once with `os._exit(1)`, skipping finalization and the exit
+handlers registered before zerodp's: its closed sockets end the peer's wait,
+which then ends the same way. A script that catches the error and exits
+otherwise keeps the ordinary ending, and its exit status.
+
 The shard, replica and hpZ groups (`zerodp.comm.subgroups`) are groups like
 any other here: each has its `Comm`, aborted in step 1 when a collective of
 its own is in flight, and `destroy_process_group()` with no argument destroys
@@ -40,7 +52,10 @@ Nothing here runs when the user already destroyed the process group.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -59,6 +74,7 @@ logger = logging.getLogger("zerodp")
 _STOP_WAITING_S = 10.0  # the waiting thread's last wait returns once the group is aborted
 
 _COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+_ABANDONED: list[str] = []  # collectives given up while still running (see the Note)
 _registered = threading.Lock()
 _REGISTERED: list[bool] = []
 
@@ -81,6 +97,8 @@ def end_collectives() -> None:
     """
     if _ended_cleanly():  # ranks still waiting for this one learn that its script ended
         whereabouts().at_exit()
+    if _ABANDONED and failures.ended_by_uncaught_exception():
+        _end_now(1)
     for group in _groups_to_abort():
         abort_group(group)
     if not stop_waiting_thread(_STOP_WAITING_S):
@@ -90,6 +108,21 @@ def end_collectives() -> None:
         )
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abandon(group: Any, why: str) -> None:
+    """Abort `group` while one of its collectives still runs, one that will never complete
+    (`why`); see [Note: ending the process] for how the process then ends."""
+    _ABANDONED.append(why)
+    abort_group(group)
+
+
+def _end_now(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing to write
+            stream.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def abort_group(group: Any) -> None:
