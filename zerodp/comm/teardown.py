@@ -36,9 +36,12 @@ until the peer's process ends or the group's timeout passes. Its peer is
 stuck the same way, so step 3 would wait out the timeout (half an hour by
 default) on both sides after the error was printed. When such a process is
 ending by an exception nobody caught (exit status 1), it flushes its output
-and ends at once with `os._exit(1)`, skipping finalization and the exit
-handlers registered before zerodp's: its closed sockets end the peer's wait,
-which then ends the same way. A script that catches the error and exits
+and ends with `os._exit(1)`, skipping finalization and the exit handlers
+registered before zerodp's: its closed sockets end the peer's wait, which
+then ends the same way. It first waits (up to 30 s) until every peer has found
+the uneven inputs too or has ended its script: the process group's store may
+live in this process, and a peer whose wait failed on the closed connection
+could no longer read why. A script that catches the error and exits
 otherwise keeps the ordinary ending, and its exit status.
 
 The shard, replica and hpZ groups (`zerodp.comm.subgroups`) are groups like
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("zerodp")
 
+_PEERS_SEE_S = 30.0  # how long an abandoning process waits for its peers to see why
 _STOP_WAITING_S = 10.0  # the waiting thread's last wait returns once the group is aborted
 
 _COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
@@ -98,6 +102,7 @@ def end_collectives() -> None:
     if _ended_cleanly():  # ranks still waiting for this one learn that its script ended
         whereabouts().at_exit()
     if _ABANDONED and failures.ended_by_uncaught_exception():
+        whereabouts().wait_until_seen(_PEERS_SEE_S)
         _end_now(1)
     for group in _groups_to_abort():
         abort_group(group)

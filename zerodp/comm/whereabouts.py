@@ -30,6 +30,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ logger = logging.getLogger("zerodp")
 
 _PREFIX = "zerodp/whereabouts/"
 _COUNT = _PREFIX + "count"
+_SEEN = _PREFIX + "seen"  # how many ranks raised UnevenInputsError
+_SEEN_POLL_S = 0.05
 
 
 class Activity(enum.Enum):
@@ -140,6 +143,7 @@ class Whereabouts:
         if not elsewhere:
             return
         abort()
+        _count_seen(store)
         raise uneven_inputs_error(sorted([mine, *others], key=lambda place: place.rank))
 
     def recovered(self) -> None:
@@ -180,7 +184,31 @@ class Whereabouts:
             return []
         if all(place.same_place(mine) for place in others):
             return []
+        _count_seen(store)
         return sorted([mine, *others], key=lambda place: place.rank)
+
+    def wait_until_seen(self, timeout_s: float) -> None:
+        """Before a process that found uneven inputs ends at once: wait (at most
+        `timeout_s`) until every other rank has found them too or has ended its script.
+
+        The process group's store may live in this process (rank 0 outside torchrun);
+        a peer whose wait then fails on the closed connection could no longer read the
+        posts that say why. Never raises.
+        """
+        store = _store()
+        if store is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        rank = dist.get_rank()
+        while time.monotonic() < deadline:
+            try:
+                seen = int(store.add(_SEEN, 0))
+                ended = sum(p.activity is Activity.FINISHED for p in _read(store, rank))
+            except Exception:
+                return
+            if seen + ended >= dist.get_world_size():
+                return
+            time.sleep(_SEEN_POLL_S)
 
 
 def uneven_inputs_error(places: list[Place]) -> UnevenInputsError:
@@ -204,6 +232,13 @@ def _read(store: Any, skip_rank: int) -> list[Place]:
         if rank != skip_rank and store.check([key]):
             places.append(Place.decode(rank, store.get(key).decode()))
     return places
+
+
+def _count_seen(store: Any) -> None:
+    try:
+        store.add(_SEEN, 1)
+    except Exception:  # the store's host is gone: nobody is left to wait for this
+        logger.debug("could not count a rank that found uneven inputs", exc_info=True)
 
 
 def _store() -> Any:
