@@ -401,6 +401,9 @@ def buckets_after_backward_and_step(stage: int) -> dict[str, int]:
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, _reference_adamw)
     idle = []
+    trainable = [s for s in engine.groups if s.grads is not None]
+    # Zero kept gradients hold no memory: after the build, and after each step.
+    unreleased = [sum(not s.grads.released for s in trainable)]  # type: ignore[union-attr]
     for step in range(2):
         tokens = gpt_tokens(dist.get_rank(), step, cfg)
         loss = engine.module.loss(tokens[:, :-1], tokens[:, 1:])
@@ -415,8 +418,10 @@ def buckets_after_backward_and_step(stage: int) -> dict[str, int]:
         reference.step()
         reference.zero_grad()
         idle.append(engine.reducer.bucket_numel_idle)
+        unreleased.append(sum(not s.grads.released for s in trainable))  # type: ignore[union-attr]
         assert_params_match(model, reference, f"stage {stage}, after step {step}")
     report = {
+        "unreleased_max": max(unreleased),
         "idle_max": max(idle),
         "held_max": engine.reducer.bucket_numel_held,
         "buckets_total": sum(s.flat.padded_numel for s in engine.groups if s.grads is not None),
@@ -432,12 +437,14 @@ def buckets_after_backward_and_step_all() -> list[dict[str, int]]:
 def test_buckets_are_let_go_after_each_backward(pools) -> None:
     """No full-size bucket is kept idle through the step and the next forward, where
     activations peak; within a backward buckets are still reused (the most held at once
-    stays below one bucket per group)."""
+    stays below one bucket per group). Nor is a zero kept gradient: each holds no memory
+    from the step to the next backward's reduction of its group."""
     for reports in pools(2).run(buckets_after_backward_and_step_all):
         for report in reports:
             assert report["held_max"] > 0, report
             assert report["idle_max"] == 0, report
             assert report["held_max"] < report["buckets_total"], report
+            assert report["unreleased_max"] == 0, report
 
 
 # -- GatheredParameters and full state dicts --------------------------------------------

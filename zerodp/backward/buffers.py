@@ -38,6 +38,10 @@ class BufferPool:
         free = self._free[(numel, dtype, device)]
         if free:
             return free.pop()
+        # A new buffer: idle ones of other sizes would sit beside it until the backward's
+        # end (groups of a few sizes take turns), so they go first; the most held at once
+        # is then what is out plus the idle buffers of one size.
+        self.release_idle()
         self.held_numel += numel
         self.allocated_numel = max(self.allocated_numel, self.held_numel)
         return torch.empty(numel, dtype=dtype, device=device)

@@ -295,7 +295,7 @@ class GradientReducer:
         self._drain()
         for state in self.states:
             kept = _kept(state)
-            kept.storage.zero_()
+            kept.zero()  # its memory is free until the next reduction's result
             kept.sync = self.plan.initial_sync
             if self.param_grads is None:
                 with PlainTensorOps():  # metadata only: no stage 3 dispatch per parameter

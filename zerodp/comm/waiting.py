@@ -23,6 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 STALL_POLL_S = 1.0
+# The helper thread's stack: it only waits in a work's `wait()`. The default (the stack
+# rlimit, 8 MiB) is private memory the process reserves, counted by RLIMIT_DATA.
+_HELPER_STACK_BYTES = 512 * 1024
 
 OnStall = Callable[[], None]
 
@@ -99,7 +102,12 @@ class _WaitingThread:
                 self._thread = threading.Thread(
                     target=self._run, name="zerodp-collective-wait", daemon=True
                 )
-                self._thread.start()
+                # A process-wide setting for the threads started next: set for this one.
+                previous = threading.stack_size(_HELPER_STACK_BYTES)
+                try:
+                    self._thread.start()
+                finally:
+                    threading.stack_size(previous)
 
     def stop(self, timeout_s: float) -> bool:
         with self._lock:

@@ -410,6 +410,7 @@ def _group_state(
             covers_full=plan.storage is GradStorage.FULL,
             dtype=policy.grad_storage_dtype,
             sync=plan.initial_sync,
+            release_when_zero=not plan.expose_param_grads,
         )
         state.optim = OptimizerParam(
             flat, None if copy is None else copy[0], host=None if copy is None else copy[1]

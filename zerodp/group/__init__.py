@@ -24,7 +24,8 @@ The words the code uses for the tensors of one flat group, defined once:
 - kept gradient: the gradient zerodp keeps for a trainable group between a
   backward and the step (`KeptGradient.storage`): the full group at stages
   0-1, the shard at stages 2-3. Its `GradSync` says whether it is still this
-  rank's local sum or averaged over ranks.
+  rank's local sum or averaged over ranks. At stages 1-3 a zero kept gradient
+  holds no memory until its group's next reduction (`KeptGradient.zero`).
 - bucket: a reusable full-size buffer one graph task's contribution is
   collected in before it is reduced into the kept gradient.
 - secondary shard: hpZ's cached copy of a sharded group's H-th inside a

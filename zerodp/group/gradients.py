@@ -66,17 +66,58 @@ class TaskContribution:
 
 
 class KeptGradient:
-    """The gradient storage of one trainable group: the full group, or this rank's shard."""
+    """The gradient storage of one trainable group: the full group, or this rank's shard.
+
+    A zero kept gradient may hold no memory (`release_when_zero`): between the step and the
+    next backward a gradient is zero, and the memory of every group's shard is then
+    free for the next forward's activations, as a `.grad` set to None is. The first
+    reader of `storage` brings it back, zeroed (the same tensor, so its views stay
+    valid); the reducer writes a group's shard only when its reduction is in, so the
+    shards come back one group at a time as the backward frees the activations.
+    """
 
     def __init__(
-        self, flat: FlatGroup, *, covers_full: bool, dtype: torch.dtype, sync: GradSync
+        self,
+        flat: FlatGroup,
+        *,
+        covers_full: bool,
+        dtype: torch.dtype,
+        sync: GradSync,
+        release_when_zero: bool = False,
     ) -> None:
         self.flat = flat
         self.covers_full = covers_full
         numel = flat.padded_numel if covers_full else flat.shard_numel
-        self.storage = torch.zeros(numel, dtype=dtype, device=flat.device)
+        self._data = torch.zeros(numel, dtype=dtype, device=flat.device)
+        self._nbytes = self._data.untyped_storage().nbytes()
+        self._released = False
+        # False while `param.grad` shows views of the storage (stage 0's exposure).
+        self.release_when_zero = release_when_zero
         self.sync = sync
         self.task = TaskContribution(len(flat.params))
+        self.zero()
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The kept gradient's flat tensor (brought back, zeroed, if it was released)."""
+        if self._released:
+            self._data.untyped_storage().resize_(self._nbytes)
+            self._data.zero_()
+            self._released = False
+        return self._data
+
+    @property
+    def released(self) -> bool:
+        """Whether the gradient is zero and holds no memory (see `zero`)."""
+        return self._released
+
+    def zero(self) -> None:
+        """Zero the gradient: release its memory if it may be, else write zeros."""
+        if not self.release_when_zero:
+            self._data.zero_()
+        elif not self._released and self._data.numel():
+            self._data.untyped_storage().resize_(0)
+            self._released = True
 
     def owned(self) -> torch.Tensor:
         """The gradient of the owned range (what the optimizer parameter's `.grad` becomes)."""
