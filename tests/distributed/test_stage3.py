@@ -164,6 +164,25 @@ def group_count(structure: str) -> int:
     return count
 
 
+def _train_beside_reference(
+    engine: zerodp.ZeroEngine, model: TinyGPT, ref_model: TinyGPT, cfg: Any, label: str
+) -> None:
+    """Three steps on the engine and on the data-parallel reference: every gradient after each
+    backward and every weight after each step compared, every sharded group released."""
+    reference = ReferenceDP(ref_model, _reference_adamw)
+    for step in range(3):
+        x = gpt_tokens(dist.get_rank(), step, cfg)
+        engine.backward(_loss(engine(x)))
+        reference.run_backward(lambda x=x, m=ref_model: _loss(m(x)).backward())
+        assert_grads_match(model, reference, f"{label}, step {step}")
+        engine.step()
+        reference.step()
+        reference.zero_grad()
+        assert_all_released(model, 3)
+        assert_params_match(model, reference, f"{label}, after step {step}")
+    engine.destroy()
+
+
 def units_match_reference() -> None:
     """Units change how parameters are grouped and gathered, never what training computes."""
     counts = {}
@@ -191,18 +210,7 @@ def units_match_reference() -> None:
             assert len(states) == 1, (prefetch, len(states))
             block_groups += states
         assert len(set(block_groups)) == cfg.n_layer
-        reference = ReferenceDP(ref_model, _reference_adamw)
-        for step in range(3):
-            x = gpt_tokens(dist.get_rank(), step, cfg)
-            engine.backward(_loss(engine(x)))
-            reference.run_backward(lambda x=x, m=ref_model: _loss(m(x)).backward())
-            assert_grads_match(model, reference, f"units, prefetch {prefetch}, step {step}")
-            engine.step()
-            reference.step()
-            reference.zero_grad()
-            assert_all_released(model, 3)
-            assert_params_match(model, reference, f"units, prefetch {prefetch}, step {step}")
-        engine.destroy()
+        _train_beside_reference(engine, model, ref_model, cfg, f"units, prefetch {prefetch}")
 
 
 def test_units_match_reference(pools) -> None:
@@ -251,18 +259,7 @@ def default_units_match_reference() -> dict[str, list[int]]:
             for block in model.blocks
         ]
         found[label + ", units"] = [int(u) for u in blocks_are_units]
-        reference = ReferenceDP(ref_model, _reference_adamw)
-        for step in range(3):
-            x = gpt_tokens(dist.get_rank(), step, cfg)
-            engine.backward(_loss(engine(x)))
-            reference.run_backward(lambda x=x, m=ref_model: _loss(m(x)).backward())
-            assert_grads_match(model, reference, f"{label}, step {step}")
-            engine.step()
-            reference.step()
-            reference.zero_grad()
-            assert_all_released(model, 3)
-            assert_params_match(model, reference, f"{label}, after step {step}")
-        engine.destroy()
+        _train_beside_reference(engine, model, ref_model, cfg, label)
     return found
 
 

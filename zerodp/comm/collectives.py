@@ -247,6 +247,9 @@ class Comm:
         `Comm` suspect: its subgroups are aborted too.
         """
         abort_group(self.group)
+        self._abort_children()
+
+    def _abort_children(self) -> None:
         for child in self._children:
             abort_group(child.group)
 
@@ -278,8 +281,7 @@ class Comm:
         why = "uneven inputs (the ranks are stuck in different places)"
         self.history.mark_broken(why)
         abandon(self.group, why)
-        for child in self._children:
-            abort_group(child.group)
+        self._abort_children()
 
     def has_in_flight(self) -> bool:
         """Whether a collective this `Comm` issued asynchronously has not been waited for."""
