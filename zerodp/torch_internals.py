@@ -34,6 +34,18 @@ def storage_key(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage()._cdata)
 
 
+def same_tensor_view(param: torch.Tensor, value: object) -> bool:
+    """Whether `value` is `param`'s own data (same storage, shape, strides and offset)."""
+    return value is param or (
+        isinstance(value, torch.Tensor)
+        and storage_key(value) == storage_key(param)
+        and value.shape == param.shape
+        and value.stride() == param.stride()
+        and value.storage_offset() == param.storage_offset()
+        and value.dtype == param.dtype
+    )
+
+
 def direct_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters registered on `module` itself, not on its children.
 

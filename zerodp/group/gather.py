@@ -63,6 +63,10 @@ class GatherState:
         self._from_primary = False  # the gather in flight reads the primary shards
         self._numel = flat.padded_numel  # asked at every prefetch decision: computed once
         self.holds = 0  # forward scopes and GatheredParameters blocks using the group now
+        # Forward scopes reading the group now, and whether a forward pass is running: in
+        # one, a gathered group has the plain class only while claimed (see `claim`).
+        self.claims = 0
+        self._in_forward_pass = False
         self._handle: Handle | None = None  # set exactly while INFLIGHT
         # (class while gathered, class otherwise) of the group's parameters; see `guard_with`.
         self._classes: tuple[type[Any], type[Any]] | None = None
@@ -70,15 +74,16 @@ class GatherState:
         self.status = ParamStatus.NOT_AVAILABLE
 
     def guard_with(self, plain: type[Any], guarded: type[Any]) -> None:
-        """Give the parameters class `guarded` while released, `plain` while gathered.
+        """Give the parameters class `guarded` while released, `plain` while gathered
+        (in a forward pass: while gathered and claimed, see `set_forward_pass`).
 
         A guarded class (`ZeroParameter`) runs Python before every torch operation on
-        its parameters, which only a released parameter needs (its storage is empty);
+        its parameters, which a released parameter needs (its storage is empty);
         while gathered, `plain` (`nn.Parameter`) lets operations take torch's own fast
         path. Same object, only `__class__` changes, so every reference stays valid.
         """
         self._classes = (plain, guarded)
-        current = plain if self.status is ParamStatus.AVAILABLE else guarded
+        current = plain if self._gathered_class() == 0 else guarded
         for param in self.flat.params:
             param.__class__ = current
 
@@ -87,6 +92,12 @@ class GatherState:
         self._classes = None
         for param in self.flat.params:
             param.__class__ = plain
+
+    def _gathered_class(self) -> int:
+        """Which of `_classes` the parameters have now: 0 plain, 1 guarded."""
+        if self.status is not ParamStatus.AVAILABLE:
+            return 1
+        return 1 if self._in_forward_pass and not self.claims else 0
 
     def _set_class(self, index: int) -> None:
         classes = self._classes
@@ -148,7 +159,7 @@ class GatherState:
             self.secondary.take_from(self.flat.full)  # before anything can write into it
         self._from_primary = False
         self.status = ParamStatus.AVAILABLE
-        self._set_class(0)
+        self._set_class(self._gathered_class())
 
     def to_not_available(self) -> None:
         """Release the full storage; only the shard remains."""
@@ -189,6 +200,32 @@ class GatherState:
     def drop_holds(self) -> None:
         """Forget every hold (a forward or backward died part-way; its scopes are gone)."""
         self.holds = 0
+        self.claims = 0
+
+    # -- forward scopes (see [Note: saving windows] in zerodp.params.saved_tensors) -------
+
+    def set_forward_pass(self, running: bool) -> None:
+        """A forward pass begins (`True`) or ends: while one runs, a gathered group that no
+        forward scope claims keeps the guarded class, so that any operation reading it goes
+        through `ZeroParameter`, which claims it for the scope running the operation."""
+        self._in_forward_pass = running
+        if self.status is ParamStatus.AVAILABLE:
+            self._set_class(self._gathered_class())
+
+    def claim(self) -> None:
+        """A forward scope reads the group until it ends: plain class while gathered."""
+        self.claims += 1
+        if self.claims == 1 and self.status is ParamStatus.AVAILABLE:
+            self._set_class(0)
+
+    def unclaim(self) -> None:
+        if self.claims <= 0:
+            raise ParamStateError(
+                f"parameters {self.shown_names()}: unclaimed more often than claimed"
+            )
+        self.claims -= 1
+        if not self.claims and self.status is ParamStatus.AVAILABLE:
+            self._set_class(self._gathered_class())
 
     # -- checks ----------------------------------------------------------------------
 

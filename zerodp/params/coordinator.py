@@ -8,7 +8,8 @@ backward lifecycle:
 - forward: a module's groups are gathered before it runs and held until it
   returns; a group the module uses that belongs to another module (a parent
   using a child's weight) is gathered on use, and remembered, so that later
-  forwards gather it up front and its backward gathers it too;
+  forwards gather it up front and its backward gathers it too; a module that
+  holds groups runs with the saved-tensor hooks ([Note: saving windows]);
 - backward: a module's groups are gathered when the gradient of its output
   arrives, and released once the gradients of its inputs are computed, or
   once the gradients of all the group's parameters are accumulated; whatever
@@ -40,7 +41,7 @@ from zerodp.errors import ParamStateError
 from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
 from zerodp.params.leaf import LeafPlan
 from zerodp.params.prefetch import ExecutionTrace
-from zerodp.torch_internals import storage_key
+from zerodp.torch_internals import same_tensor_view, storage_key
 
 
 @dataclass
@@ -48,18 +49,15 @@ class _Scope:
     module: nn.Module
     in_backward: bool
     held: list[GroupState] = field(default_factory=list)
+    saving: bool = False  # this scope installed the saved-tensor hooks
 
 
-def _same_tensor_view(param: torch.Tensor, value: Any) -> bool:
-    """Whether `value` is `param`'s own data (same storage, shape, strides and offset)."""
-    return value is param or (
-        isinstance(value, torch.Tensor)
-        and storage_key(value) == storage_key(param)
-        and value.shape == param.shape
-        and value.stride() == param.stride()
-        and value.storage_offset() == param.storage_offset()
-        and value.dtype == param.dtype
-    )
+class SavingWindows(Protocol):
+    """The saved-tensor hooks, as forward scopes install them ([Note: saving windows])."""
+
+    def push_if_possible(self) -> bool: ...
+
+    def pop(self) -> None: ...
 
 
 class LeafGradients(Protocol):
@@ -102,6 +100,7 @@ class ParamCoordinator:
         )
         self._gradients = gradients
         self.order: CollectiveOrder | None = None  # checks every gather's place, if set
+        self.windows: SavingWindows | None = None  # the saved-tensor hooks, once installed
         self._external: dict[nn.Module, list[GroupState]] = {}
         self._scopes: list[_Scope] = []
         self.live_numel = 0
@@ -147,6 +146,7 @@ class ParamCoordinator:
         if self.order is not None:
             self.order.begin("forward")
         self.release_unheld()  # what a forward kept for a backward that never came
+        self._set_forward_pass(True)
         self.forward_trace.begin_pass()
         self._backward_head = self._first_backward_groups()
 
@@ -166,6 +166,7 @@ class ParamCoordinator:
         for state in self.states:
             if not (backward_follows and self._keeps_for_backward(state, ahead=0)):
                 self._release(state)
+        self._set_forward_pass(False)
         if self.order is not None:
             self.order.end()
 
@@ -199,8 +200,7 @@ class ParamCoordinator:
         for state in self.groups_of_module(module):
             self._gather(state, trace)
             if not scope.in_backward:
-                state.sharded_gather.hold()
-                scope.held.append(state)
+                self._hold_for(scope, state)
 
     def post_forward(self, module: nn.Module) -> None:
         if not self._scopes or self._scopes[-1].module is not module:
@@ -209,8 +209,8 @@ class ParamCoordinator:
         if not self._scopes:
             return
         scope = self._scopes.pop()
+        self._close(scope)
         for state in scope.held:
-            state.sharded_gather.unhold()
             self._release_unless_reused(state, self.forward_trace)
 
     # -- backward ------------------------------------------------------------------
@@ -255,9 +255,11 @@ class ParamCoordinator:
 
     def abort(self) -> None:
         """A forward or backward died part-way: release everything, forget all scopes."""
-        self._scopes.clear()
+        while self._scopes:
+            self._close(self._scopes.pop())
         for state in self.states:
             state.sharded_gather.drop_holds()
+        self._set_forward_pass(False)
         self.release_unheld()
         if self.order is not None:
             self.order.abandon()
@@ -270,13 +272,17 @@ class ParamCoordinator:
         if state is None or state.gather is None:
             return
         if state.gather.status is ParamStatus.AVAILABLE:
+            # Gathered but guarded: a forward is running and no scope claims it (a group
+            # kept for reuse, prefetched, or held by GatheredParameters). The running scope
+            # claims it; nothing is gathered, so nothing changes the next forward's plan.
+            if not state.gather.claims and self._scopes and not self._scopes[-1].in_backward:
+                self._hold_for(self._scopes[-1], state)
             return
         if self._scopes:
             scope = self._scopes[-1]
             self._gather(state, trace=None)
             if not scope.in_backward:
-                state.gather.hold()
-                scope.held.append(state)
+                self._hold_for(scope, state)
                 self._remember_external(scope.module, state)
             return
         if autograd_api.in_backward():
@@ -294,7 +300,7 @@ class ParamCoordinator:
 
     def assign_data(self, param: nn.Parameter, value: Any) -> None:
         """`param.data = value` after initialize: only a no-op (`module.to()` on its device)."""
-        if _same_tensor_view(param, value):
+        if same_tensor_view(param, value):
             return
         raise ParamStateError(
             "assigning `.data` of a ZeRO stage 3 parameter would detach it from its "
@@ -458,6 +464,29 @@ class ParamCoordinator:
     def _unwind_to(self, module: nn.Module) -> None:
         while self._scopes and self._scopes[-1].module is not module:
             scope = self._scopes.pop()
+            self._close(scope)
             for state in scope.held:
-                state.sharded_gather.unhold()
                 self._release(state)
+
+    def _hold_for(self, scope: _Scope, state: GroupState) -> None:
+        """`scope` (a forward's, gathered) reads `state` until it ends: hold and claim it,
+        and make sure the scope saves through the saved-tensor hooks."""
+        gather = state.sharded_gather
+        gather.hold()
+        gather.claim()
+        scope.held.append(state)
+        if not scope.saving and self.windows is not None:
+            scope.saving = self.windows.push_if_possible()
+
+    def _close(self, scope: _Scope) -> None:
+        """`scope` ends: drop its holds and claims, and the saved-tensor hooks it installed."""
+        for state in scope.held:
+            state.sharded_gather.unhold()
+            state.sharded_gather.unclaim()
+        if scope.saving and self.windows is not None:
+            self.windows.pop()
+            scope.saving = False
+
+    def _set_forward_pass(self, running: bool) -> None:
+        for state in self.states:
+            state.sharded_gather.set_forward_pass(running)

@@ -6,8 +6,9 @@
   multi-grad hook on the module's inputs marks its post-backward.
 - forward post-hook (also when forward raises): the holds are dropped; a
   multi-grad hook on the outputs marks the module's pre-backward.
-- the root module also installs the saved-tensor hooks for the forward and
-  ends the forward pass (releasing prefetched groups nobody used).
+- the root module also begins and ends the forward pass (releasing prefetched
+  groups nobody used); the saved-tensor hooks are installed by the scopes that
+  hold groups ([Note: saving windows]).
 - only the root and modules with sharded groups in their subtree are hooked
   (`hooked_modules`): the others have nothing to gather.
 - a leaf module (see [Note: leaf modules]) gathers its whole subtree; while it
@@ -32,7 +33,6 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.leaf import enter_leaf
-from zerodp.params.saved_tensors import SavedTensorGatherer
 from zerodp.torch_internals import forward_raised
 
 
@@ -52,13 +52,10 @@ class Stage3ModuleHooks:
         root: nn.Module,
         coordinator: ParamCoordinator,
         lifecycle: BackwardLifecycle,
-        saved_tensors: SavedTensorGatherer,
     ) -> None:
         self.root = root
         self.coordinator = coordinator
         self.lifecycle = lifecycle
-        self.saved_tensors = saved_tensors
-        self._root_pushed: list[bool] = []
         self._active_leaves: list[nn.Module] = []  # leaves whose forward is running, innermost last
         self._pre_backward = lifecycle.hook(coordinator.pre_backward)
         self._post_backward = lifecycle.hook(coordinator.post_backward)
@@ -173,7 +170,6 @@ class Stage3ModuleHooks:
         elif self._active_leaves:
             return None  # inside a leaf: its whole subtree is gathered already
         if starts_forward:
-            self._root_pushed.append(self.saved_tensors.push_if_possible())
             self.coordinator.begin_forward()
         self.coordinator.pre_forward(module)
         leaf = self.coordinator.leaves.is_leaf(module)
@@ -218,5 +214,3 @@ class Stage3ModuleHooks:
                 self.coordinator.end_forward(backward_follows=torch.is_grad_enabled())
             else:  # the forward is dying: its pass must not look complete to the other ranks
                 self.coordinator.fail_forward(error)
-            if self._root_pushed and self._root_pushed.pop():
-                self.saved_tensors.pop()

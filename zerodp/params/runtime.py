@@ -126,9 +126,10 @@ class Stage3Runtime:
             if reducer is not None:
                 reducer.order = self.order
         self.saved_tensors = SavedTensorGatherer(self.coordinator, lifecycle)
+        self.coordinator.windows = self.saved_tensors
         # Kept apart: `gathered_for_generation()` takes them out for a while (see posttrain).
         self.module_hooks: list[RemovableHandle] = Stage3ModuleHooks(
-            root, self.coordinator, lifecycle, self.saved_tensors
+            root, self.coordinator, lifecycle
         ).install()
         self._handles: list[RemovableHandle] = [
             lifecycle.on_prologue(lambda task: self.coordinator.begin_backward()),
@@ -138,7 +139,7 @@ class Stage3Runtime:
         for state in self.sharded_states:
             for param in state.params:
                 zero_parameter.adopt(param, self.coordinator)
-            # Guarded only while released: see `GatherState.guard_with`.
+            # Guarded while released (and unclaimed in a forward): `GatherState.guard_with`.
             state.sharded_gather.guard_with(nn.Parameter, zero_parameter.ZeroParameter)
 
     @property

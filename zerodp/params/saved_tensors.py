@@ -14,6 +14,30 @@ later release frees.
 Packing returns a detached alias, never the tensor itself: a saved output
 that pointed back at its own grad_fn would form a reference cycle that the
 garbage collector cannot see.
+
+[Note: saving windows]
+The hooks cost a Python call for every tensor a forward saves, and only a
+sharded parameter's storage needs one. So they are installed only while a
+forward scope that holds sharded groups runs (the module that gathered them,
+and everything it calls), not around the whole forward: a block whose
+parameters are all persistent, and code between modules, save without them.
+This is exact because a saved tensor can share a sharded group's storage
+only if some operation read the group, and in a forward every read happens
+inside such a scope:
+
+- while a forward pass runs (`ParamCoordinator.begin_forward` to
+  `end_forward`), a gathered group has the plain class only while a forward
+  scope claims it (`GatherState.claim`), and that scope has the hooks;
+- any other read (a group kept gathered for reuse, prefetched for a module
+  not yet entered, held by `GatheredParameters`, or a released one) finds the
+  guarded `ZeroParameter` class, whose `__torch_function__` makes the
+  innermost running scope hold and claim the group, and install the hooks,
+  before the operation runs; the scope is remembered as a user of the group,
+  so the next forward gathers it up front.
+
+A view of a parameter taken in one scope and kept past its end (in a module
+attribute, say) escapes this: reading it later would read a released storage
+anyway, which stage 3 does not support.
 """
 
 from __future__ import annotations
@@ -38,7 +62,7 @@ class _SavedParameterView:
 
 
 class SavedTensorGatherer:
-    """The pack/unpack pair installed around each forward (see the module docstring)."""
+    """The pack/unpack pair installed in forward scopes (see the module docstring)."""
 
     def __init__(self, coordinator: ParamCoordinator, lifecycle: BackwardLifecycle) -> None:
         self.coordinator = coordinator
@@ -61,7 +85,8 @@ class SavedTensorGatherer:
         return packed.tensor
 
     def push_if_possible(self) -> bool:
-        """Install the hooks for a forward, unless other saved-tensor hooks are active.
+        """Install the hooks for a forward scope, unless saved-tensor hooks are active
+        (zerodp's own, installed by an enclosing scope, or another's).
 
         Non-reentrant activation checkpointing installs its own hooks; those must
         keep working (they recompute, and the recomputation gathers through the

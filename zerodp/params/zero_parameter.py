@@ -16,10 +16,14 @@ before every torch operation that takes the parameter:
 Metadata reads (shape, dtype, grad, hooks, ...) never gather. Operations run
 with the subclass disabled, so their results are plain tensors.
 
-An engine's parameter is a `ZeroParameter` only while its group is released:
-gathered, it has the plain class again (`GatherState.guard_with`), so the
-many operations of a forward and backward on gathered parameters take
-torch's own path instead of this Python one.
+An engine's parameter is a `ZeroParameter` while its group is released, and
+during a forward while its group is gathered but held by no running module
+(kept for reuse, prefetched): such a read is claimed for the module running
+it, which installs the saved-tensor hooks ([Note: saving windows] in
+`zerodp.params.saved_tensors`). Otherwise a gathered parameter has the plain
+class (`GatherState.guard_with`), so the many operations of a forward and
+backward on gathered parameters take torch's own path instead of this
+Python one.
 """
 
 from __future__ import annotations
