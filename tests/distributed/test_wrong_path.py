@@ -89,3 +89,52 @@ def ddp_trap_is_removed_at_destroy() -> None:
 
 def test_destroy_lifts_the_guards(pools) -> None:
     pools(2).run(ddp_trap_is_removed_at_destroy)
+
+
+def added_parameters_are_refused(stage: int) -> int:
+    """Each way of adding a parameter after initialize is refused at the next forward; an
+    unchanged model's forward never walks its parameters (returns how many walks there were
+    over three forwards, after a module was built elsewhere in the process)."""
+    from zerodp.engine import guards
+
+    x = tiny_inputs(dist.get_rank(), 0)
+    additions = {
+        "a submodule": lambda model: setattr(model, "extra", torch.nn.Linear(2, 2)),
+        "a parameter": lambda model: model.register_parameter(
+            "bias2", torch.nn.Parameter(torch.zeros(2))
+        ),
+        "a parameter by attribute": lambda model: setattr(
+            model, "scale", torch.nn.Parameter(torch.ones(1))
+        ),
+    }
+    for what, add in additions.items():
+        engine, model = _managed(stage)
+        engine(x)
+        add(model)
+        with pytest.raises(zerodp.UsageError, match=r"before zerodp\.initialize") as error:
+            engine(x)
+        assert "parameters at zerodp.initialize" in str(error.value), what
+        engine.destroy()
+    engine, model = _managed(stage)
+    walks = [0]
+    count = guards._num_params
+
+    def counting(module: torch.nn.Module) -> int:
+        walks[0] += 1
+        return count(module)
+
+    guards._num_params = counting
+    try:
+        torch.nn.Linear(3, 3)  # registers parameters on a module the engine does not manage
+        engine(x)  # recounts once, finds the same number
+        engine(x)
+        engine(x)
+    finally:
+        guards._num_params = count
+    engine.destroy()
+    return walks[0]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parameters_added_after_initialize_are_refused(pools, stage: int) -> None:
+    assert pools(2).run(added_parameters_are_refused, stage) == [1, 1]

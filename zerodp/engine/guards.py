@@ -15,7 +15,11 @@ message that names what to use instead:
   installed once), before it changes anything;
 - parameters added to the module after `initialize` (`peft.get_peft_model` on
   the engine's model, a new head): the next forward, since the engine would
-  neither reduce their gradients nor step them.
+  neither reduce their gradients nor step them. Counting a model's parameters
+  walks every module, so a forward recounts only after a parameter or a module
+  was registered somewhere in the process since the last count (two global
+  registration hooks count them); a forward of an unchanged model costs one
+  integer comparison.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zerodp.comm.wrappers import fully_sharded_by_fsdp2, wrapper_calling
@@ -57,7 +65,9 @@ class ModuleGuard:
         self._had = DDP_ATTRIBUTE in module.__dict__
         self._previous = module.__dict__.get(DDP_ATTRIBUTE)
         module.__dict__[DDP_ATTRIBUTE] = RefuseDDP()
+        _install_registration_counter()
         self._num_params = _num_params(module)
+        self._counted_at = _REGISTRATIONS[0]
         _install_optimizer_check()
 
     def check_forward(self) -> None:
@@ -69,6 +79,9 @@ class ModuleGuard:
             raise UsageError(
                 f"this model is managed by zerodp and was wrapped in {wrapper}: {_INSTEAD}"
             )
+        if _REGISTRATIONS[0] == self._counted_at:
+            return  # nothing was registered anywhere since the last count
+        self._counted_at = _REGISTRATIONS[0]
         num_params = _num_params(self.module)
         if num_params != self._num_params:
             raise UsageError(
@@ -87,6 +100,22 @@ class ModuleGuard:
 
 def _num_params(module: nn.Module) -> int:
     return sum(1 for _ in module.parameters())
+
+
+# Parameters and modules registered on any module of the process (`register_parameter`,
+# `add_module`, and attribute assignment, which calls them), counted once hooks are installed.
+_REGISTRATIONS = [0]
+_REGISTRATION_HOOKS: list[Any] = []
+
+
+def _count_registration(module: nn.Module, name: str, value: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def _install_registration_counter() -> None:
+    if not _REGISTRATION_HOOKS:
+        _REGISTRATION_HOOKS.append(register_module_parameter_registration_hook(_count_registration))
+        _REGISTRATION_HOOKS.append(register_module_module_registration_hook(_count_registration))
 
 
 # Optimizers zerodp steps itself (its own, and the torch optimizers inside), and optimizers
