@@ -464,3 +464,50 @@ def test_the_plain_trainer_under_ddp_is_as_far_from_one_process(pools, tmp_path:
     assert 0.0 < ddp_diff <= FP32_BOUND, (ddp_diff, ddp_where)  # rounding, and not nothing
     assert zerodp_where == ddp_where, (zerodp_where, ddp_where)
     assert ddp_diff / 2 <= zerodp_diff <= 2 * ddp_diff, (zerodp_diff, ddp_diff)
+
+
+# -- a model-only checkpoint is not resumed from -----------------------------------------
+
+
+def resume_from_a_model_only_checkpoint(workdir: str) -> str:
+    """Train 2 steps saving with save_only_model=True, then resume from that checkpoint."""
+    from zerodp.errors import CheckpointError
+    from zerodp.integrations.transformers import ZeroDPTrainer
+
+    case = CASES[0]
+    saving = os.path.join(workdir, "model_only")
+    trainer = ZeroDPTrainer(
+        model=build_llama(),
+        args=training_args(
+            saving,
+            MICRO,
+            case,
+            max_steps=2,
+            save_strategy="steps",
+            save_steps=2,
+            save_only_model=True,
+        ),
+        train_dataset=TokenDataset(case.samples),
+        zerodp_config=config_for(case, workdir),
+    )
+    trainer.train()
+    trainer.engine.destroy()
+    resumed = ZeroDPTrainer(
+        model=build_llama(seed=1),
+        args=training_args(os.path.join(workdir, "resumed"), MICRO, case),
+        train_dataset=TokenDataset(case.samples),
+        zerodp_config=config_for(case, workdir),
+    )
+    with pytest.raises(CheckpointError) as error:
+        resumed.train(resume_from_checkpoint=os.path.join(saving, "checkpoint-2"))
+    if resumed.engine is not None:
+        resumed.engine.destroy()
+    return str(error.value)
+
+
+def test_a_save_only_model_checkpoint_is_refused_for_resume(pools, tmp_path: Path) -> None:
+    messages = pools(WORLD).run(resume_from_a_model_only_checkpoint, str(tmp_path))
+    assert messages[0] == messages[1]
+    assert "holds no zerodp checkpoint" in messages[0], messages[0]
+    assert "save_only_model=True" in messages[0], messages[0]
+    assert "resume from a checkpoint ZeroDPTrainer saved" in messages[0], messages[0]
