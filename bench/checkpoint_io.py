@@ -1,6 +1,11 @@
 """Time and size of one checkpoint save and one load of the benchmark model, per ZeRO stage.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/checkpoint_io.py
+    python bench/checkpoint_io.py --hash-speed
+
+`--hash-speed` (one process, no checkpoint) hashes one in-memory buffer with
+the checksum zerodp writes (XXH3, 64 bits) and with zlib's CRC32, and prints
+each one's throughput on one core: the reason checksums use XXH3.
 
 Each stage trains the small benchmark GPT for one step (so optimizer state
 exists), then, in each repeat, saves a checkpoint with checksums and one
@@ -82,6 +87,27 @@ def _verify_only(checkpoint: Path) -> None:
         checksums.check_data_file(checkpoint, name, chunks[name], files)
 
 
+def hash_speeds(mib: int, repeats: int) -> dict[str, float]:
+    """Bytes per second of XXH3-64 (as `checksums` computes it) and of CRC32, on one core.
+
+    The median of `repeats` passes over one buffer of random bytes, the two taking
+    turns, so that a busy machine slows both alike.
+    """
+    import zlib
+
+    import xxhash
+
+    buffer = torch.randint(0, 256, (mib * 2**20,), dtype=torch.uint8).numpy().tobytes()
+    hashers = {"xxh3_64": xxhash.xxh3_64_intdigest, "crc32": zlib.crc32}
+    seconds: dict[str, list[float]] = {name: [] for name in hashers}
+    for _ in range(repeats):
+        for name, hasher in hashers.items():
+            start = time.perf_counter()
+            hasher(buffer)
+            seconds[name].append(time.perf_counter() - start)
+    return {name: len(buffer) / statistics.median(times) for name, times in seconds.items()}
+
+
 def measure(stage: int, dtype: str, root: Path, repeats: int) -> dict[str, float]:
     """Median seconds of: save with checksums, save without, load verified, load unverified;
     the four are interleaved in each repeat, so machine noise hits them alike."""
@@ -117,7 +143,18 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats per stage")
+    parser.add_argument(
+        "--hash-speed", action="store_true", help="only the checksum's throughput on one core"
+    )
+    parser.add_argument("--hash-mib", type=int, default=256, help="--hash-speed: buffer MiB")
     args = parser.parse_args()
+    if args.hash_speed:
+        speeds = hash_speeds(args.hash_mib, args.repeats)
+        print(
+            f"one core, {args.hash_mib} MiB in memory, median of {args.repeats} passes: "
+            + ", ".join(f"{name} {rate / 1e9:.1f} GB/s" for name, rate in speeds.items())
+        )
+        return 0
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     ensure_process_group()

@@ -3,6 +3,12 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/offload.py \
         [--model small] [--dtype fp32|bf16] [--stages 1,2,3] [--steps N] [--repeats R] \
         [--nvme-path DIR] [--json out.json]
+    python bench/offload.py --adamw-kernels [--numel N] [--repeats R]
+
+`--adamw-kernels` (one process, one thread, no training) times one step of
+torch's CPU AdamW on one fp32 tensor of N elements with `fused=True` and with
+`foreach=True`, interleaved: the reason the host step defaults to the fused
+kernel (docs/offload.md).
 
 For each stage, zerodp without offload, with `offload_optimizer` (and, at stage 3,
 `offload_param`) on the host, and in files under --nvme-path, each train their own
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +38,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import zerodp  # noqa: E402
@@ -77,6 +85,33 @@ def _config(settings: TrainSettings, stage: int, where: str, nvme: str | None) -
     return config
 
 
+def adamw_kernels(numel: int, repeats: int) -> dict[str, Any]:
+    """Median seconds of one CPU AdamW step, fused against foreach, on one thread.
+
+    Both optimizers step their own copy of the same tensor with the same gradient,
+    one step each in turn (interleaved), after 3 untimed steps (the fused kernel
+    and the state are set up by the first).
+    """
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(numel, generator=generator)
+    grad = torch.randn(numel, generator=generator)
+    kernels: dict[str, Any] = {}
+    for name in ("fused", "foreach"):
+        param = torch.nn.Parameter(start.clone())
+        param.grad = grad.clone()
+        kernels[name] = torch.optim.AdamW([param], lr=1e-3, **{name: True})
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    for repeat in range(3 + repeats):
+        for name, optimizer in kernels.items():
+            tic = time.perf_counter()
+            optimizer.step()
+            if repeat >= 3:
+                times[name].append(time.perf_counter() - tic)
+    fused, foreach = (statistics.median(times[name]) for name in ("fused", "foreach"))
+    return {"numel": numel, "fused_s": fused, "foreach_s": foreach, "ratio": foreach / fused}
+
+
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f}"
 
@@ -87,10 +122,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="default 3 (--adamw-kernels: 20)")
     p.add_argument("--nvme-path", default=None, help="default: a temporary directory")
     p.add_argument("--json", default=None)
+    p.add_argument("--adamw-kernels", action="store_true", help="time CPU AdamW, fused vs foreach")
+    p.add_argument("--numel", type=int, default=4 * 2**20, help="--adamw-kernels: elements")
     args = p.parse_args(argv)
+    if args.adamw_kernels:
+        repeats = args.repeats or 20
+        result = adamw_kernels(args.numel, repeats)
+        print(
+            f"torch {torch.__version__} CPU AdamW, one fp32 tensor of {result['numel']:,} "
+            f"elements, 1 thread, median of {repeats} interleaved steps: "
+            f"fused {result['fused_s'] * 1e3:.1f} ms, foreach {result['foreach_s'] * 1e3:.1f} "
+            f"ms, foreach / fused {result['ratio']:.2f}x"
+        )
+        return
+    args.repeats = args.repeats or 3
     ensure_process_group()
     device = default_device()
     rank, world = dist.get_rank(), dist.get_world_size()

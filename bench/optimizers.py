@@ -394,10 +394,33 @@ def distance(
     return worst, off / moved
 
 
+def _norm_over(tensors: list[torch.Tensor], others: list[torch.Tensor], index: list[int]) -> float:
+    return math.sqrt(sum((tensors[i] - others[i]).square().sum().item() for i in index))
+
+
+def by_optimizer(
+    weights: list[torch.Tensor],
+    ref: list[torch.Tensor],
+    start: list[torch.Tensor],
+    muon: list[int],
+    rest: list[int],
+) -> dict[str, float]:
+    """The Muon-stepped matrices' move as a share of the reference's move
+    (|w - w_0| / |w_ref - w_0| over those matrices: 1 when they move as far as they
+    should), and the Adam-stepped parameters' share of the update that is off."""
+    return {
+        "muon_moved": _norm_over(weights, start, muon) / _norm_over(ref, start, muon),
+        "adam_off": _norm_over(weights, ref, rest) / _norm_over(ref, start, rest),
+    }
+
+
 def distances(
     args: argparse.Namespace, base: nn.Module, with_deepspeed: bool
 ) -> list[dict[str, Any]]:
     start = [p.detach().clone() for p in base.parameters()]
+    named = list(base.named_parameters())
+    muon = [i for i, (name, param) in enumerate(named) if uses_muon(name, param)]
+    rest = [i for i in range(len(named)) if i not in muon]
     refs = {"torch": one_process(args, base, reference_torch)}
     if with_deepspeed:
         refs["deepspeed"] = one_process(args, base, reference_deepspeed)
@@ -428,6 +451,11 @@ def distances(
             row = {"engine": engine_kind, "stage": stage, "gas": gas}
             for name, ref in refs.items():
                 row[f"max_{name}"], row[f"share_{name}"] = distance(weights, ref, start)
+                parts = by_optimizer(weights, ref, start, muon, rest)
+                row[f"muon_moved_{name}"], row[f"adam_off_{name}"] = (
+                    parts["muon_moved"],
+                    parts["adam_off"],
+                )
             rows.append(row)
     return rows
 
@@ -518,6 +546,23 @@ def report_distances(
         ]
         where = f"{r.get('stage', '-')} | {r.get('gas', '-')}"
         out(f"| {r['engine']} | {where} | {cells[0]} | {cells[1]} |")
+    out(
+        "\nBy optimizer: the Muon matrices' move as a share of the reference's "
+        "(|w - w_0| / |w_ref - w_0|; 100% is as far as they should), and the Adam-stepped "
+        "parameters' share of the update that is off"
+    )
+    out("| run | stage | micro-batches | vs torch Muon + AdamW | vs DeepSpeed's one-process Muon |")
+    out("|---|---|---|---|---|")
+    for r in results["distance"]:
+        if "error" in r or "gas" not in r:
+            continue
+        cells = [
+            f"Muon moved {r['muon_moved_' + n]:.1%}, Adam off {r['adam_off_' + n]:.1%}"
+            if "muon_moved_" + n in r
+            else "-"
+            for n in ("torch", "deepspeed")
+        ]
+        out(f"| {r['engine']} | {r['stage']} | {r['gas']} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

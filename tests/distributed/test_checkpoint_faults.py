@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,77 @@ def test_a_window_s_gradients_reshard(pools, tmp_path) -> None:
         directory = str(tmp_path / f"s{save_stage}")
         saved = pools(2).run(save_mid_window, save_stage, directory)[0]
         pools(world_size).run(load_mid_window_elsewhere, load_stage, directory, saved)
+
+
+def _fp16_build(stage: int, gas: int, scale_power: int, seed: int = 0):
+    return _build(stage, gas, seed=seed, dtype="fp16", loss_scale_power=scale_power)
+
+
+def _fp16_micro_steps(engine, loader, count: int) -> None:
+    """`count` micro-steps of the fp16 model (its inputs cast to fp16)."""
+    done = 0
+    while done < count:
+        for (x,) in loader:
+            engine.backward(engine(x.half()).float().square().mean())
+            engine.step()
+            done += 1
+            if done == count:
+                return
+
+
+def window_under_other_settings(stage: int, directory: str) -> dict[str, Any]:
+    """A window saved under fp16 (accumulation 2, loss scale 2^8), loaded where the engine
+    accumulates 4 (refused, nothing changed), and where its loss scale is 2^4: with the
+    optimizer state (the saved scale comes back: the resumed run is the straight one) and
+    without it (the engine keeps 2^4: the kept gradients are rescaled to it)."""
+    model, engine, loader = _fp16_build(stage, gas=2, scale_power=8)
+    _fp16_micro_steps(engine, loader, 3)  # one boundary, then a window begun
+    engine.save_checkpoint(directory, tag="mid")
+    saved_grads = [zerodp.utils.safe_get_full_grad(p) for p in model.parameters()]
+    saved_scale = engine.loss_scale
+    _fp16_micro_steps(engine, loader, 1)
+    straight = _state(model, engine)
+    engine.destroy()
+
+    model, engine, _ = _fp16_build(stage, gas=4, scale_power=8, seed=3)
+    before = _state(model, engine)
+    with pytest.raises(zerodp.CheckpointError) as error:
+        engine.load_checkpoint(directory, tag="mid")
+    _assert_same(before, _state(model, engine), "after a load refused for its accumulation")
+    engine.destroy()
+
+    model, engine, loader = _fp16_build(stage, gas=2, scale_power=4, seed=3)
+    engine.load_checkpoint(directory, tag="mid")
+    scale_with_optimizer = engine.loss_scale
+    _fp16_micro_steps(engine, loader, 1)
+    _assert_same(straight, _state(model, engine), f"stage {stage}: resumed under another scale")
+    engine.destroy()
+
+    model, engine, _ = _fp16_build(stage, gas=2, scale_power=4, seed=3)
+    engine.load_checkpoint(directory, tag="mid", load_optimizer_states=False)
+    scale_without_optimizer = engine.loss_scale
+    for index, (param, grad) in enumerate(zip(model.parameters(), saved_grads, strict=True)):
+        # The accessor unscales by the engine's scale: equal only if the load rescaled.
+        got = zerodp.utils.safe_get_full_grad(param)
+        assert torch.equal(got, grad), f"stage {stage}: gradient {index} not rescaled"
+    engine.destroy()
+    return {
+        "refused": str(error.value),
+        "scales": (saved_scale, scale_with_optimizer, scale_without_optimizer),
+    }
+
+
+def test_a_window_loads_only_with_its_accumulation_and_follows_the_loss_scale(
+    pools, tmp_path
+) -> None:
+    for stage in (1, 3):
+        results = pools(2).run(window_under_other_settings, stage, str(tmp_path / f"s{stage}"))
+        assert results[0] == results[1]
+        message = results[0]["refused"]
+        assert "accumulation window of 2 micro-steps" in message, message
+        assert "set gradient_accumulation_steps to 2" in message, message
+        assert "checkpoint saved at an accumulation boundary" in message, message
+        assert results[0]["scales"] == (2.0**8, 2.0**8, 2.0**4)
 
 
 # -- 1. nothing in a checkpoint runs ------------------------------------------------------

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerodp
 from examples.gpt import GPT, GPTConfig
+from zerodp.group.gather import ParamStatus
 from zerodp.zero import GatheredParameters
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
@@ -320,3 +321,102 @@ def test_compile_block_is_validated() -> None:
         {"train_micro_batch_size_per_gpu": 1, "compile": {"enabled": True}}, world_size=1
     )
     assert (config.compile.enabled, config.compile.backend) == (True, "inductor")
+
+
+# -- a leaf marked after initialize ---------------------------------------------------------
+
+
+class StackWithPair(nn.Module):
+    """Two repeated blocks (what per-block compile compiles) and a pair of linears that is
+    no block (a Sequential of different classes), run eagerly around them."""
+
+    def __init__(self, width: int = CFG.d_model) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(width) for _ in range(2))
+        self.pair = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.pair(x))
+
+
+def _pair_engine(per_block: bool | None, mark: str | None) -> tuple[Any, StackWithPair]:
+    """A stage 3 engine, compiled per block, whole, or not at all (None); `pair` marked as a
+    leaf "before" or "after" initialize, or not at all (None). No prefetch, so that what is
+    gathered when `pair` starts is what its entry gathered."""
+    torch.manual_seed(0)
+    model = StackWithPair()
+    if mark == "before":
+        zerodp.zero.set_z3_leaf_modules(model, [nn.Sequential])
+    config = (
+        _config(3)
+        if per_block is None
+        else _config(3, {"enabled": True, "backend": BACKEND, "per_block": per_block})
+    )
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    engine = zerodp.initialize(model=model, config=config)[0]
+    if mark == "after":
+        zerodp.zero.set_z3_leaf_modules(model, [nn.Sequential])
+    return engine, model
+
+
+def _watch_pair_entry(engine: Any, model: StackWithPair) -> list[bool]:
+    """Whether `pair[2]` is gathered when `pair[0]` starts, at every forward (eager hooks)."""
+    coordinator = engine.params.coordinator
+    seen: list[bool] = []
+
+    def record(module: nn.Module, args: Any) -> None:
+        states = coordinator.groups_of_module(model.pair[2])
+        assert states, "pair[2] has no sharded group"
+        seen.append(all(s.gather.status is ParamStatus.AVAILABLE for s in states))
+
+    model.pair[0].register_forward_pre_hook(record)
+    return seen
+
+
+def leaf_marked_after_initialize() -> dict[str, Any]:
+    """Per-block compile: `pair`, marked after initialize, is entered as a leaf (its whole
+    subtree gathered at once). Whole-model compile: it is not (the graph breaks as with no
+    mark, where a mark made before initialize changes them). All train bitwise as eager."""
+    batches = _batches(2)
+    results: dict[str, Any] = {}
+    torch._dynamo.reset()
+    engine, model = _pair_engine(None, None)
+    seen = _watch_pair_entry(engine, model)
+    eager = _train(engine, batches, _square_loss)
+    engine.destroy()
+    results["eager, no leaf: pair[2] gathered at entry"] = seen
+    compared = 0
+    for per_block, mark in ((True, "after"), (False, None), (False, "after"), (False, "before")):
+        torch._dynamo.reset()
+        counters.clear()
+        engine, model = _pair_engine(per_block, mark)
+        seen = _watch_pair_entry(engine, model) if per_block else []
+        compiled = _train(engine, batches, _square_loss)
+        engine.destroy()
+        zerodp.zero.unset_z3_leaf_modules(model, [nn.Sequential], raise_if_not_found=False)
+        name = f"{'per-block' if per_block else 'whole-model'} compile, leaf {mark}"
+        assert counters["stats"]["unique_graphs"] > 0, f"{name}: nothing compiled"
+        compared += _compare(name, eager, compiled)
+        if per_block:
+            results[f"{name}: pair[2] gathered at entry"] = seen
+        else:
+            results[f"{name}: graph breaks"] = sum(counters["graph_break"].values())
+    results["compared"] = compared
+    return results
+
+
+def test_a_leaf_marked_after_initialize_under_compile(pools) -> None:
+    weights = len(list(StackWithPair().parameters()))
+    for found in pools(2).run(leaf_marked_after_initialize, timeout_s=600):
+        assert found["compared"] == 4 * (2 + weights), found
+        assert found["eager, no leaf: pair[2] gathered at entry"] == [False, False], found
+        assert found["per-block compile, leaf after: pair[2] gathered at entry"] == [True] * 2
+        breaks = {
+            mark: found[f"whole-model compile, leaf {mark}: graph breaks"]
+            for mark in ("None", "after", "before")
+        }
+        # Marked after: traced as if unmarked; marked before: the trace changes (a leaf).
+        assert breaks["after"] == breaks["None"] != breaks["before"], breaks

@@ -358,3 +358,54 @@ def test_convert_writes_a_zerodp_checkpoint_and_safetensors(pools, tmp_path: Pat
         saved = want[f"saved.fp32.{name}"] if param.requires_grad else want[f"saved.model.{name}"]
         assert torch.equal(tensors[name], saved.float().reshape(param.shape)), name
     assert torch.equal(tensors["offset"], model.offset)
+
+
+def convert_state_bytes(source: str, destination: str) -> dict[str, Any]:
+    """`zerodp convert`'s one-process engine, read at its save: what it holds, and the model's
+    elements (trainable, and all) from the stand-in it trained nothing on."""
+    from zerodp.launch.convert import convert_deepspeed
+
+    seen: dict[str, Any] = {}
+    original = zerodp.ZeroEngine.save_checkpoint
+
+    def save_and_count(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        memory = engine.model_state_bytes()
+        params = list(engine.module.parameters())
+        steps = [s["step"] for s in engine.optimizer.inner.state.values() if "step" in s]
+        seen.update(
+            params=memory.params,
+            grads=memory.grads,
+            optimizer=memory.optimizer,
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            numel=sum(p.numel() for p in params),
+            dtype_bytes=params[0].element_size(),
+            step_bytes=sum(step.numel() * step.element_size() for step in steps),
+        )
+        return original(engine, *args, **kwargs)
+
+    zerodp.ZeroEngine.save_checkpoint = save_and_count  # type: ignore[method-assign]
+    try:
+        convert_deepspeed(source, destination)
+    finally:
+        zerodp.ZeroEngine.save_checkpoint = original  # type: ignore[method-assign]
+    return seen
+
+
+def test_convert_holds_16_bytes_a_trainable_parameter(pools, tmp_path: Path) -> None:
+    """The one-process engine holds the whole training state: under bf16 the weights and a
+    gradient buffer (2 + 2 bytes) and the fp32 master and Adam moments (12 bytes, the
+    figure docs/deepspeed.md quotes); in fp32 the weights are the master (4 + 4 + 8). Frozen
+    parameters add their weights only; Adam's step counts a few bytes."""
+    for stage, precision in ((3, "bf16"), (2, "fp32")):
+        source = FIXTURES / run.fixture_name(stage, precision)
+        seen = pools(1).run(convert_state_bytes, str(source), str(tmp_path / precision))[0]
+        trainable, width = seen["trainable"], seen["dtype_bytes"]
+        assert width == (2 if precision == "bf16" else 4), seen
+        assert 0 < trainable < seen["numel"], seen  # the fixture has frozen parameters too
+        masters_and_moments = 12 if precision == "bf16" else 8
+        assert seen["params"] == seen["numel"] * width, seen
+        assert seen["grads"] == trainable * width, seen
+        assert seen["optimizer"] == trainable * masters_and_moments + seen["step_bytes"], seen
+        per_parameter = (seen["params"] + seen["grads"] + seen["optimizer"]) - seen["step_bytes"]
+        frozen_bytes = (seen["numel"] - trainable) * width
+        assert per_parameter - frozen_bytes == 16 * trainable, seen

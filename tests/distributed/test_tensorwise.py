@@ -404,6 +404,7 @@ def refusals() -> dict[str, str]:
     found = {}
     attempts: dict[str, tuple[Any, dict[str, Any]]] = {
         "lbfgs": (lambda m: torch.optim.LBFGS(m.parameters()), {}),
+        "sparse_adam": (lambda m: torch.optim.SparseAdam(m.parameters()), {}),
         "muon_nvme": (
             lambda m: torch.optim.Adafactor(m.parameters()),
             {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/zerodp-unused"}},
@@ -431,6 +432,9 @@ def test_path_follows_the_optimizer_class(pools: Any) -> None:
 def test_what_cannot_be_stepped_is_refused_on_every_rank(pools: Any) -> None:
     results = pools(2).run(refusals)
     assert results[0] == results[1]
-    assert "TypeError: zerodp cannot step LBFGS" in results[0]["lbfgs"], results
+    for name, refused in (("lbfgs", "LBFGS"), ("sparse_adam", "SparseAdam")):
+        message = results[0][name]
+        assert f"TypeError: zerodp cannot step {refused}" in message, results
+        assert "use AdamW, SGD, or another torch optimizer" in message, results
     assert "NVMe optimizer offload does not support" in results[0]["muon_nvme"], results
     assert '"device": "cpu"' in results[0]["muon_nvme"], results

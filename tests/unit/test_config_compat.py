@@ -268,6 +268,8 @@ def test_bias_correction_picks_torch_s_adam_or_the_uncorrected_one() -> None:
         ({"optimizer": {"type": "Lamb"}}, "the LAMB optimizer"),
         ({"optimizer": {"type": "OneBitAdam"}}, "1-bit Adam"),
         ({"optimizer": {"type": "NAdam"}}, "torch.optim.NAdam from the config"),
+        ({"optimizer": {"type": "LBFGS"}}, "L-BFGS"),
+        ({"optimizer": {"type": "SparseAdam"}}, "SparseAdam"),
         ({"scheduler": {"type": "OneCycle"}}, "DeepSpeed's OneCycle scheduler"),
     ],
 )

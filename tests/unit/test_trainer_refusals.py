@@ -53,8 +53,33 @@ def test_the_config_is_required(tmp_path: Path) -> None:
 
 
 def test_arguments_that_would_rebuild_or_rewrap_the_model_are_refused(tmp_path: Path) -> None:
+    from zerodp.integrations.transformers import ZeroDPTrainer
+
     with pytest.raises(ConfigError, match="auto_find_batch_size"):
         trainer(tmp_path, auto_find_batch_size=True)
+    # Set after the arguments are built: TrainingArguments would start DeepSpeed or FSDP
+    # set-up itself, which is what the refusal is there to prevent.
+    for name, value, fix in (
+        ("deepspeed", "ds_config.json", "pass that config as ZeroDPTrainer(zerodp_config=...)"),
+        ("fsdp", "full_shard", "zerodp shards the model itself"),
+    ):
+        args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+        setattr(args, name, value)
+        with pytest.raises(ConfigError, match=f"cannot use TrainingArguments {name}=") as error:
+            ZeroDPTrainer(model=build_llama(), args=args, zerodp_config={})
+        assert fix in str(error.value), error.value
+
+
+def test_a_process_that_sees_several_gpus_is_refused(tmp_path: Path) -> None:
+    """The Trainer would wrap the model in nn.DataParallel: one process per GPU instead."""
+    from zerodp.integrations.transformers import ZeroDPTrainer
+
+    args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+    assert args.n_gpu == 0  # the devices are set up (and n_gpu cached) by this read
+    args._n_gpu = 2  # what TrainingArguments records on a machine with two visible GPUs
+    with pytest.raises(UsageError, match="sees 2 GPUs") as error:
+        ZeroDPTrainer(model=build_llama(), args=args, zerodp_config={})
+    assert "nn.DataParallel" in str(error.value) and "torchrun" in str(error.value)
 
 
 def test_torch_compile_is_said_to_have_no_effect(tmp_path: Path) -> None:
@@ -71,6 +96,13 @@ def test_refusals_at_train(tmp_path: Path) -> None:
             None,
             "steps on an evaluation metric",
         ),
+        (
+            {"lr_scheduler_type": "greedy", "eval_strategy": "steps"},
+            None,
+            "'greedy' steps on an evaluation metric",
+        ),
+        ({"optim": "lomo"}, None, "'lomo' updates the weights inside backward.*adamw_torch"),
+        ({"optim": "adalomo"}, None, "'adalomo' updates the weights inside backward"),
         (
             {},
             {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}},
@@ -93,6 +125,37 @@ def test_an_optimizer_passed_twice_is_refused(tmp_path: Path) -> None:
         trainer(
             tmp_path, config=config, model=model, optimizers=(optimizer, None), learning_rate=1e-3
         ).train()
+
+
+def test_an_optimizer_factory_that_builds_its_own_groups_is_refused(tmp_path: Path) -> None:
+    """What `optim` gives for GaLore and APOLLO (their packages are not installed here): a
+    factory whose kwargs carry the parameter groups or the model, or a class that is not a
+    torch optimizer. zerodp lays out the groups itself, so it cannot take one of those."""
+    from zerodp.integrations.transformers import ZeroDPTrainer
+
+    def not_an_optimizer_class(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **kwargs)
+
+    model = build_llama()
+    factories = [
+        (torch.optim.AdamW, {"params": [{"params": list(model.parameters())}], "lr": 1e-3}),
+        (torch.optim.AdamW, {"model": model, "lr": 1e-3}),
+        (not_an_optimizer_class, {"lr": 1e-3}),
+    ]
+    for factory in factories:
+        args = transformers.TrainingArguments(
+            str(tmp_path), max_steps=1, report_to=[], use_cpu=True, disable_tqdm=True
+        )
+        built = ZeroDPTrainer(
+            model=model,
+            args=args,
+            train_dataset=TokenDataset(8),
+            optimizer_cls_and_kwargs=factory,
+            zerodp_config={"zero_optimization": {"stage": 1}},
+        )
+        with pytest.raises(ConfigError, match="builds its own parameter groups") as error:
+            built.train()
+        assert "an 'optimizer' block in zerodp_config" in str(error.value)
 
 
 def test_the_optimizer_is_zerodps_to_build(tmp_path: Path) -> None:

@@ -10,9 +10,10 @@ files are split over the ranks (file i on rank i mod world size), so each
 byte is hashed once per save and once per load. Every verdict is local
 and the load agrees on it before anything changes.
 
-The checksum is xxHash's XXH3 (64 bits, the `xxhash` package): about 15 GB/s
-on one core, four times zlib's CRC32, which kept verification under 10% of
-a load's time (bench/checkpoint_io.py). It catches flipped bits, torn writes
+The checksum is xxHash's XXH3 (64 bits, the `xxhash` package): several times
+faster than zlib's CRC32 on one core (`python bench/checkpoint_io.py
+--hash-speed` prints both), which kept verification under 10% of a load's
+time (bench/checkpoint_io.py). It catches flipped bits, torn writes
 and truncation; it is no defence against someone who rewrites the files on
 purpose (nothing in a checkpoint is executed, see `safe_metadata`).
 """

@@ -22,7 +22,10 @@ gradient's `GradSync`:
 The description in zerodp_state.json records the accumulation steps (a
 window's gradients only mean something with the same number of micro-steps)
 and the loss scale they carry (fp16), so a load under another scale
-rescales them.
+rescales them. "Another scale" is the one the engine has after the load: a
+load with the optimizer state brings the saved loss scaler back (so the
+gradients stay as saved); `load_optimizer_states=False` keeps the engine's
+own scale, and the gradients are rescaled to it.
 """
 
 from __future__ import annotations
@@ -99,9 +102,16 @@ class GradientLoad:
 
 
 def plan_load(
-    subject: CheckpointSubject, shared: dict[str, Any], saved: dict[str, Any]
+    subject: CheckpointSubject,
+    shared: dict[str, Any],
+    saved: dict[str, Any],
+    with_loss_scaler: bool,
 ) -> GradientLoad:
-    """Check that the saved gradients fit this engine and plan reading them (nothing changes)."""
+    """Check that the saved gradients fit this engine and plan reading them (nothing changes).
+
+    `with_loss_scaler`: the load restores the saved loss scaler (the optimizer state is
+    loaded), so the scale after the load is the checkpoint's, not the engine's current one.
+    """
     info = shared.get("gradients")
     plan = GradientLoad()
     if info is None:
@@ -164,9 +174,12 @@ def plan_load(
                 f"the checkpoint's accumulated gradient of '{entry.name}' lacks some ranks' "
                 "parts; the checkpoint is incomplete"
             )
-    current_scale = float(subject.loss_scale())
-    if current_scale != info["loss_scale"]:
-        plan.rescale = current_scale / float(info["loss_scale"])
+    if with_loss_scaler:
+        scale_after_load = float(shared["loss_scaler"]["scale"])  # checked before this
+    else:
+        scale_after_load = float(subject.loss_scale())
+    if scale_after_load != info["loss_scale"]:
+        plan.rescale = scale_after_load / float(info["loss_scale"])
     return plan
 
 

@@ -243,7 +243,7 @@ def load_checkpoint(
         wanted.update(destinations.fresh_tensors(saved, f"rng.rank{comm.rank}."))
         wanted.update(destinations.fresh_tensors(saved, "client."))
         if not load_module_only:
-            grads = gradients.plan_load(subject, shared, saved)
+            grads = gradients.plan_load(subject, shared, saved, with_optimizer)
             wanted.update(grads.destinations)
         destinations.check_kinds(wanted, saved, metadata)
     except _FAILURES as caught:

@@ -8,8 +8,9 @@ scheduler (the run's config). That engine loads the DeepSpeed checkpoint
 through `engine.load_checkpoint` (the same code a training run uses) and
 saves it; the result loads into the real model at any stage and world size,
 since zerodp's checkpoints are keyed by parameter name. It holds the whole
-training state in memory (the fp32 masters and Adam moments: 12 bytes per
-parameter); for a model too large for that, load the DeepSpeed checkpoint
+training state in memory (16 bytes per trainable parameter: the weights, a
+gradient buffer, and the fp32 masters and Adam moments, 12 of the 16 under
+bf16 or fp16); for a model too large for that, load the DeepSpeed checkpoint
 directly with `engine.load_checkpoint`, which reads only each rank's part.
 
 `--hf DIR` also writes the full weights as Hugging Face safetensors, in

@@ -33,9 +33,10 @@ _FUSED_DEVICES = ("cpu", "cuda", "xpu", "mps")  # where torch has those kernels
 def steps_fused(device: torch.device) -> bool:
     """Whether a config Adam(W) stepping on `device` gets torch's fused kernel by default.
 
-    It is the faster kernel (torch's fused CPU AdamW measured 4x faster than its foreach
-    one here), and one kernel for every placement keeps optimizer offload on and off
-    bitwise equal on a CPU-only machine (docs/offload.md).
+    It is the faster kernel (torch's fused CPU AdamW against its foreach one:
+    `python bench/offload.py --adamw-kernels`), and one kernel for every placement
+    keeps optimizer offload on and off bitwise equal on a CPU-only machine
+    (docs/offload.md).
     """
     return device.type in _FUSED_DEVICES
 

@@ -49,7 +49,7 @@ KNOWN_TENSORWISE: tuple[type[torch.optim.Optimizer], ...] = (
 )
 _NOT_SUPPORTED = {
     torch.optim.LBFGS: "it re-evaluates the loss through a closure inside step()",
-    torch.optim.SparseAdam: "zerodp reduces gradients dense; use AdamW",
+    torch.optim.SparseAdam: "zerodp reduces gradients dense",
 }
 
 _declared_elementwise: set[type] = set()
