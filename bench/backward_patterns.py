@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -312,6 +313,8 @@ def verdict(
 
 def run_cell(engine: str, pattern: str) -> str:
     """One engine on one pattern against the reference; every rank's verdict merged."""
+    if engine.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        return "not run: DeepSpeed is not installed (pip install -e '.[bench]')"
     torch.manual_seed(0)
     base = Net(ckpt=pattern == "checkpoint")
     want = execute(pattern, Reference(copy.deepcopy(base)))
