@@ -51,6 +51,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
+from zerodp.testing import ReferenceDP  # noqa: E402
+
 STAGES = (1, 2, 3)
 ENGINES = (
     "ddp",
@@ -123,38 +125,36 @@ class Trainer:
 
 
 class Reference(Trainer):
-    """A plain model per rank; each backward's gradients all-reduced, averaged and summed.
+    """The data-parallel reference every parity test compares with (`ReferenceDP`: each
+    backward's gradients averaged by an explicit all_reduce and summed until `zero_grad()`).
     Another `rule` (`RULES`) computes a wrong answer on purpose, to name what an engine did."""
 
     def __init__(self, model: nn.Module, rule: str = "sum") -> None:
-        super().__init__(model, model)
+        self.dp = ReferenceDP(model, lambda params: torch.optim.SGD(params, lr=LR))
+        super().__init__(model, model, self.dp.optimizer)
         self.rule, self.backwards = rule, 0
-        self.kept = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        self.model.zero_grad(set_to_none=True)
-        loss.backward(retain_graph=retain_graph)
         self.backwards += 1
-        for name, param in self.model.named_parameters():
-            grad = torch.zeros_like(param) if param.grad is None else param.grad.clone()
-            if self.rule != "local_after_first" or self.backwards == 1:
-                dist.all_reduce(grad)
-                grad /= dist.get_world_size()
-            if self.rule == "replace":
-                self.kept[name].zero_()
-            self.kept[name] += grad
+        if self.rule == "replace":
+            self.dp.zero_grad()
+        if self.rule == "local_after_first" and self.backwards > 1:
+            loss.backward(retain_graph=retain_graph)  # this rank's own, added unreduced
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    self.dp.grad(param).add_(param.grad)
+                    param.grad = None
+            return
+        self.dp.run_backward(lambda: loss.backward(retain_graph=retain_graph))
 
     def zero_grad(self) -> None:
-        for grad in self.kept.values():
-            grad.zero_()
+        self.dp.zero_grad()
 
     def step(self) -> None:
-        for name, param in self.model.named_parameters():
-            param.grad = self.kept[name].clone()
-        super().step()
+        self.dp.step()
 
     def grads(self) -> Tensors:
-        return {n: g.clone() for n, g in self.kept.items()}
+        return {n: self.dp.grad(p).clone() for n, p in self.model.named_parameters()}
 
 
 class ZeroTrainer(Trainer):

@@ -385,17 +385,19 @@ def trained(
     return weights
 
 
+def _norm_over(
+    tensors: list[torch.Tensor], others: list[torch.Tensor], index: range | list[int]
+) -> float:
+    """The 2-norm of `tensors - others` over the tensors at `index`, taken as one vector."""
+    return math.sqrt(sum((tensors[i] - others[i]).square().sum().item() for i in index))
+
+
 def distance(
     weights: list[torch.Tensor], ref: list[torch.Tensor], start: list[torch.Tensor]
 ) -> tuple[float, float]:
     worst = max((w - r).abs().max().item() for w, r in zip(weights, ref, strict=True))
-    off = math.sqrt(sum((w - r).square().sum().item() for w, r in zip(weights, ref, strict=True)))
-    moved = math.sqrt(sum((r - s).square().sum().item() for r, s in zip(ref, start, strict=True)))
-    return worst, off / moved
-
-
-def _norm_over(tensors: list[torch.Tensor], others: list[torch.Tensor], index: list[int]) -> float:
-    return math.sqrt(sum((tensors[i] - others[i]).square().sum().item() for i in index))
+    every = range(len(ref))
+    return worst, _norm_over(weights, ref, every) / _norm_over(ref, start, every)
 
 
 def by_optimizer(
@@ -452,10 +454,7 @@ def distances(
             for name, ref in refs.items():
                 row[f"max_{name}"], row[f"share_{name}"] = distance(weights, ref, start)
                 parts = by_optimizer(weights, ref, start, muon, rest)
-                row[f"muon_moved_{name}"], row[f"adam_off_{name}"] = (
-                    parts["muon_moved"],
-                    parts["adam_off"],
-                )
+                row |= {f"{part}_{name}": value for part, value in parts.items()}
             rows.append(row)
     return rows
 

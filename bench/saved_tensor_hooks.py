@@ -37,7 +37,7 @@ from bench._measure import timed  # noqa: E402
 from bench.step_time import MODELS  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from zerodp.comm import default_device, destroy_process_group_if_owned, ensure_process_group  # noqa: E402
-from zerodp.params.saved_tensors import SavedTensorGatherer, _SavedParameterView  # noqa: E402
+from zerodp.params.saved_tensors import SavedParameterView, SavedTensorGatherer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ class Harness:
         def counting(tensor: torch.Tensor) -> Any:
             packed = original(tensor)
             counts[0] += 1
-            counts[1] += isinstance(packed, _SavedParameterView)
+            counts[1] += isinstance(packed, SavedParameterView)
             return packed
 
         self.gatherer.pack = counting  # type: ignore[method-assign]

@@ -53,7 +53,9 @@ from zerodp.params.coordinator import ParamCoordinator
 from zerodp.torch_internals import storage_key
 
 
-class _SavedParameterView:
+class SavedParameterView:
+    """What packing returns for a tensor that shares a sharded group's storage."""
+
     __slots__ = ("state", "tensor")
 
     def __init__(self, state: GroupState, tensor: torch.Tensor) -> None:
@@ -74,10 +76,10 @@ class SavedTensorGatherer:
         state = self.coordinator.state_of_storage(storage_key(tensor))
         if state is None:
             return detached
-        return _SavedParameterView(state, detached)
+        return SavedParameterView(state, detached)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _SavedParameterView):
+        if not isinstance(packed, SavedParameterView):
             return packed
         self.coordinator.ensure_available_for_unpack(packed.state)
         if torch.is_grad_enabled():
