@@ -65,6 +65,7 @@ from zerodp.offload.setup import (
     place_param_shards,
 )
 from zerodp.optim.factory import optimizer_sources, steps_fused
+from zerodp.optim.grad_norm import NormReduction
 from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
 from zerodp.optim.parts import OptimizerSource
@@ -159,7 +160,7 @@ def assemble(
         timeout=timeout,
     )
     shard_comm = comms.shard
-    strategy = strategy_for(zero.stage, across_replicas=comms.topology.hybrid)
+    strategy = strategy_for(zero.stage, across_replicas=comms.dims.hybrid)
     policy = precision_policy(config)
     lifecycle = BackwardLifecycle()
     decision = decide_mode(module, config.optimizer, user_optimizer)
@@ -207,6 +208,7 @@ def assemble(
         groups.trainable,
         shard_comm,
         strategy.reduction,
+        comms.dims,
         comm_dtype=policy.comm_dtype,
         max_inflight_elements=zero.reduce_bucket_size,
         overlap_comm=zero.overlap_comm,
@@ -250,9 +252,8 @@ def assemble(
     optimizer = ZeroOptimizer(
         parts,
         reducer=reducer,
-        comm=shard_comm,  # a norm counts each shard once: replicas hold copies
+        norm=NormReduction.of(comms, sharded=strategy.shards_optimizer_state),
         states=groups.trainable,
-        sharded_grads=strategy.shards_optimizer_state,
         params=params,
         model_params=groups.params,
         gradient_clipping=config.gradient_clipping,
@@ -313,7 +314,7 @@ def assemble(
             if config.eigenvalue.enabled
             else None
         ),
-        training_dataloader=_data_loader(training_data, collate_fn, config, comm),
+        training_dataloader=_data_loader(training_data, collate_fn, config, comms),
         handles=handles,
         root_hooks=root_hooks,
         offload=offload,
@@ -467,15 +468,16 @@ def _connect(
 
 
 def _data_loader(
-    training_data: Any, collate_fn: Any, config: ZeroDPConfig, comm: Comm
+    training_data: Any, collate_fn: Any, config: ZeroDPConfig, comms: GroupComms
 ) -> ZeroDataLoader | None:
+    """Ranks with the same data index read the same samples (see [Note: parallel dimensions])."""
     if training_data is None:
         return None
     return ZeroDataLoader(
         training_data,
         micro_batch_size=config.batch_sizes.train_micro_batch_size_per_gpu,
-        rank=comm.rank,
-        world_size=comm.world_size,
+        rank=comms.dims.data_index,
+        world_size=comms.dims.data_size,
         collate_fn=collate_fn,
         drop_last=config.dataloader_drop_last,
         seed=config.seed or 0,
