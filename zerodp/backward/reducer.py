@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.buffers import BufferPool
 from zerodp.backward.exposure import ParamGradView
 from zerodp.backward.plan import ReductionPlan
@@ -58,7 +59,6 @@ from zerodp.backward.reduction_queue import LaunchKind, ReductionQueue, kept_gra
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm
 from zerodp.comm.order import CollectiveOrder
-from zerodp.errors import LifecycleError
 from zerodp.group import GradSync, GroupState, KeptGradient
 from zerodp.parallel import ParallelDims
 from zerodp.torch_internals import PlainTensorOps
@@ -69,7 +69,7 @@ class _RunningTask:
     """The reducer's view of the graph task now running."""
 
     is_boundary: bool
-    contribution_scale: float  # multiplies contributions on their way in (fp16, see begin_task)
+    contribution_scale: float  # multiplies contributions on their way in (see begin_task)
     rank_scale: float = 1.0  # the world size over the ranks contributing (see `rank_scale`)
     has_contributions: bool = False
     next_launch: int = 0  # groups before this index have been launched in this task
@@ -93,6 +93,7 @@ class GradientReducer:
         comm: Comm,
         plan: ReductionPlan,
         dims: ParallelDims,
+        window: AccumulationWindow,
         *,
         comm_dtype: torch.dtype | None = None,
         max_inflight_elements: int,
@@ -101,6 +102,7 @@ class GradientReducer:
         order: CollectiveOrder | None = None,
     ) -> None:
         self.plan = plan
+        self.window = window
         self.comm_dtype = comm_dtype
         self.states = states
         self.on_contributions_complete: Signal[GroupState] = Signal()
@@ -152,38 +154,28 @@ class GradientReducer:
 
     # -- the graph task --------------------------------------------------------------
 
-    def begin_task(self, is_boundary: bool, contribution_scale: float = 1.0) -> None:
+    def begin_task(self) -> None:
         """Prologue: every parameter's `.grad` must be None so that autograd starts afresh.
 
-        `contribution_scale` multiplies this task's gradients on their way in, so
-        that every kept gradient carries the same factor whichever way backward
-        was called (see `mark_task_scaled`).
+        The accumulation window says whether this task is the window's last (its sums
+        are reduced) and what its gradients are multiplied by on their way in (see
+        [Note: gradient factors] in `zerodp.backward.accumulation`).
         """
+        window = self.window
         self._task = _RunningTask(
-            is_boundary=is_boundary,
-            contribution_scale=contribution_scale,
+            is_boundary=window.task_reduces(),
+            contribution_scale=window.contribution_factor(window.begin_task()),
             rank_scale=self.rank_scale,
             held_back=self._held_back,
             unsettled=set(self._held_back),
         )
-        self.queue.across_now = is_boundary
+        self.queue.across_now = self._task.is_boundary
         if self.param_grads is not None:
             self.param_grads.reclaim(self.plan.initial_sync)
         for state in self.states:
             _kept(state).task.reset()
             for param in state.params:
                 param.grad = None
-
-    def mark_task_scaled(self) -> None:
-        """The running task's loss already carries every factor (it came from `engine.scale`)."""
-        if self._task.contribution_scale == 1.0:
-            return
-        if self._task.has_contributions:
-            raise LifecycleError(
-                "one backward mixes a loss returned by engine.scale() with a loss that was "
-                "not scaled; pass every loss of one backward through engine.scale(), or none"
-            )
-        self._task.contribution_scale = 1.0
 
     def contribute(self, state: GroupState, position: int, param: nn.Parameter) -> None:
         """Post-accumulate hook: move this task's gradient of `param` into the kept gradient."""
