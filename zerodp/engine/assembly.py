@@ -75,7 +75,7 @@ from zerodp.optim.tensorwise import (
 )
 from zerodp.params.init import adopt_init_groups
 from zerodp.params.leaf import leaf_modules, mark_from_config
-from zerodp.params.runtime import ResidentParams, Stage3Runtime
+from zerodp.params.runtime import ResidentParams, Stage3Runtime, collective_order_for
 from zerodp.partition import FlatGroup
 from zerodp.partition.builder import ModelLayout, UnitRule, build_layout
 from zerodp.posttrain import PostTraining, build_post_training
@@ -224,9 +224,14 @@ def assemble(
             prefetch_numel=zero.stage3_prefetch_bucket_size,
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
+            order=collective_order_for(
+                module,
+                groups,
+                comms.world,
+                check=zero.stage3_check_order,
+                timeout_s=_seconds(timeout),
+            ),
             reducer=reducer,
-            check_order=zero.stage3_check_order,
-            order_timeout_s=_seconds(timeout),
         )
     else:
         params = ResidentParams(
