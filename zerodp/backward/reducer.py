@@ -130,14 +130,6 @@ class GradientReducer:
         return self.queue.comm
 
     @property
-    def order(self) -> CollectiveOrder | None:
-        return self.queue.order
-
-    @order.setter
-    def order(self, order: CollectiveOrder | None) -> None:
-        self.queue.order = order
-
-    @property
     def bucket_numel_held(self) -> int:
         """The most elements of full-size gradient buckets this reducer has held at once."""
         return self._pool.allocated_numel

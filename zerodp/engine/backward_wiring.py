@@ -26,7 +26,7 @@ from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
 from zerodp.group import GroupIndex
 from zerodp.optim.strategy import StageStrategy
-from zerodp.params.runtime import ResidentParams, Stage3Runtime
+from zerodp.params.runtime import ResidentParams, Stage3Runtime, collective_order_for
 from zerodp.partition.builder import ModelLayout
 from zerodp.precision import PrecisionPolicy
 from zerodp.precision.inputs import install_input_cast
@@ -62,6 +62,17 @@ def build_backward(
 ) -> BackwardParts:
     zero = config.zero_optimization
     lifecycle = BackwardLifecycle()
+    order = (  # stage 3's collective order check: the reducer's and the gathers' collectives
+        collective_order_for(
+            module,
+            groups,
+            comms.world,
+            check=zero.stage3_check_order,
+            timeout_s=None if timeout is None else timeout.total_seconds(),
+        )
+        if strategy.shards_params
+        else None
+    )
     reducer = GradientReducer(
         groups.trainable,
         comms.shard,
@@ -72,6 +83,7 @@ def build_backward(
         max_inflight_elements=zero.reduce_bucket_size,
         overlap_comm=zero.overlap_comm,
         replicas=comms.replica,
+        order=order,
     )
     params: ParamRuntime
     if strategy.shards_params:
@@ -86,8 +98,7 @@ def build_backward(
             max_live_numel=zero.stage3_max_live_parameters,
             max_reuse_distance=zero.stage3_max_reuse_distance,
             reducer=reducer,
-            check_order=zero.stage3_check_order,
-            order_timeout_s=None if timeout is None else timeout.total_seconds(),
+            order=order,
         )
     else:
         params = ResidentParams(
