@@ -58,7 +58,7 @@ from zerodp.backward.exposure import ParamGradView
 from zerodp.backward.plan import FullReduce, ReductionPlan
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm, Handle
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.errors import LifecycleError
 from zerodp.group import GradSync, GroupState, KeptGradient
 from zerodp.torch_internals import PlainTensorOps

@@ -28,17 +28,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodp.comm import failures, objects
-from zerodp.comm.history import (
+from zerodp.comm import object_collectives
+from zerodp.comm.faults.collective_history import (
     CollectiveHistory,
     CollectiveRecord,
     passes_through,
     recorded,
     tensor_nbytes,
 )
-from zerodp.comm.teardown import abandon, abort_group, register
-from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
-from zerodp.comm.whereabouts import uneven_inputs_error, whereabouts
+from zerodp.comm.faults.failure_notices import (
+    FailureBoard,
+    FailureNotice,
+    one_per_rank,
+    peer_failed_error,
+    read_exits,
+)
+from zerodp.comm.faults.polled_waits import OnStall, WatchedWork, wait_timed, watch
+from zerodp.comm.faults.teardown import abandon, abort_group, register
+from zerodp.comm.faults.uneven_inputs import uneven_inputs_error, whereabouts
 from zerodp.errors import AGREED_TYPES, AgreedError, CollectiveError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
@@ -105,7 +112,7 @@ class Handle:
     """An in-flight collective; `wait()` blocks until its result may be read.
 
     With `on_stall`, a wait that lasts calls it every second (it may raise; see
-    `zerodp.comm.waiting`), and `on_recover` once a wait that stalled has completed.
+    `zerodp.comm.faults.polled_waits`), and `on_recover` once a wait that stalled has completed.
     `timed`: the work honours a timed wait (gloo's reduce-scatter does not).
     """
 
@@ -137,7 +144,8 @@ class Handle:
         self._history: CollectiveHistory | None = None
 
     def track(self, record: CollectiveRecord, history: CollectiveHistory) -> None:
-        """Name the collective in a failure of `wait()` (see `zerodp.comm.history`)."""
+        """Name the collective in a failure of `wait()` (see
+        `zerodp.comm.faults.collective_history`)."""
         self._record, self._history = record, history
 
     def wait(self) -> None:
@@ -181,7 +189,7 @@ class Comm:
     history (one numbering, world ranks in messages; a failure in any of the groups aborts
     all of them and refuses every later collective), and failures read the parent's
     failure notices. `stall_checks`: on gloo, a wait that lasts hears what other ranks
-    posted (see [Note: uneven inputs] in `zerodp.comm.whereabouts`).
+    posted (see [Note: uneven inputs] in `zerodp.comm.faults.uneven_inputs`).
     """
 
     def __init__(
@@ -199,12 +207,12 @@ class Comm:
         self._parent = parent
         self.stats: CommStats = parent.stats if parent is not None else CommStats()
         # Called while a collective waits long (gloo only: an NCCL wait returns at once);
-        # the collective order check (zerodp.comm.order) adds its own checks. A subgroup
-        # uses its parent's unless given its own.
+        # the collective order check (zerodp.comm.faults.collective_order) adds its own
+        # checks. A subgroup uses its parent's unless given its own.
         watch = parent is None and stall_checks and self.world_size > 1 and _is_gloo(group)
         self._on_stall: OnStall | None = self._check_stall if watch else None
         # Pass notices of the order check beside the process's exit notices.
-        self.failure_boards: list[failures.FailureBoard] = (
+        self.failure_boards: list[FailureBoard] = (
             parent.failure_boards if parent is not None else []
         )
         # For errors that name the collective; the first one aborts the group(s).
@@ -219,11 +227,11 @@ class Comm:
         # Collectives issued with async_op and not yet waited for (prefetched gathers,
         # the reducer's reductions): what the teardown at exit must not leave pending.
         self._in_flight: weakref.WeakSet[Handle] = weakref.WeakSet()
-        register(self)  # see [Note: ending the process] in zerodp.comm.teardown
+        register(self)  # see [Note: ending the process] in zerodp.comm.faults.teardown
 
     @property
     def on_stall(self) -> OnStall | None:
-        """Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only)."""
+        """Called while a collective waits long (set by the collective order check; gloo only)."""
         if self._on_stall is None and self._parent is not None:
             return self._parent.on_stall
         return self._on_stall
@@ -243,8 +251,8 @@ class Comm:
 
         Its other in-flight collectives then fail at once instead of waiting out their
         timeouts, and none is left pending when the process exits (see [Note: ending the
-        process] in zerodp.comm.teardown). A peer that failed leaves every group of this
-        `Comm` suspect: its subgroups are aborted too.
+        process] in zerodp.comm.faults.teardown). A peer that failed leaves every group of
+        this `Comm` suspect: its subgroups are aborted too.
         """
         abort_group(self.group)
         self._abort_children()
@@ -253,10 +261,10 @@ class Comm:
         for child in self._children:
             abort_group(child.group)
 
-    def failure_notices(self) -> list[failures.FailureNotice]:
+    def failure_notices(self) -> list[FailureNotice]:
         """What ranks that failed posted ([Note: failure notices]); read only on a failure."""
         notices = [notice for board in self.failure_boards for notice in board.read()]
-        return failures.one_per_rank(notices + failures.read_exits())
+        return one_per_rank(notices + read_exits())
 
     def explain_failure(self, waiting_in: str) -> CollectiveError | None:
         """Why the collective `waiting_in` (as `CollectiveHistory.waiting_in` names it)
@@ -264,7 +272,7 @@ class Comm:
         somewhere else ([Note: uneven inputs]). None: nobody said."""
         notices = self.failure_notices()
         if notices:
-            return failures.peer_failed_error(notices, f"collective {waiting_in}")
+            return peer_failed_error(notices, f"collective {waiting_in}")
         places = whereabouts().peers_elsewhere(waiting_in)
         if places:
             return uneven_inputs_error(places)
@@ -428,7 +436,7 @@ class Comm:
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
         if self.on_stall is not None:  # gloo: polled, so that a stall is heard
-            return objects.gather_objects(obj, self.group, self.world_size, self._finish)
+            return object_collectives.gather_objects(obj, self.group, self.world_size, self._finish)
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -439,7 +447,7 @@ class Comm:
             return obj
         global_src = self.global_rank(src)
         if self.on_stall is not None:  # gloo: polled, so that a stall is heard
-            return objects.broadcast_object(obj, global_src, self.group, self._finish)
+            return object_collectives.broadcast_object(obj, global_src, self.group, self._finish)
         box = [obj]
         dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from zerodp.backward import autograd_api
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.errors import ParamStateError
 from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
 from zerodp.params.leaf import LeafPlan

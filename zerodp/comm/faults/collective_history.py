@@ -30,8 +30,8 @@ from zerodp.errors import CollectiveError, ZeroDPError
 logger = logging.getLogger("zerodp")
 
 _KEPT = 8
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-_COMM = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[2])
+_COMM = str(Path(__file__).resolve().parents[1])  # zerodp/comm, failure handling included
 
 
 @dataclass
