@@ -10,7 +10,7 @@ import torch
 
 import zerodp
 from zerodp.checkpoint import paths
-from zerodp.comm.collectives import Handle
+from zerodp.comm import Handle
 from zerodp.comm.faults import failure_notices
 from zerodp.comm.faults.collective_history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.comm.group import comms_timeout
