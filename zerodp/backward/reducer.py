@@ -58,7 +58,7 @@ from zerodp.backward.plan import ReductionPlan
 from zerodp.backward.reduction_queue import LaunchKind, ReductionQueue, kept_gradient
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.group import GradSync, GroupState, KeptGradient
 from zerodp.parallel import ParallelDims
 from zerodp.torch_internals import PlainTensorOps

@@ -11,8 +11,8 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
+from zerodp.comm.faults.uneven_inputs import Activity, whereabouts
 from zerodp.comm.subgroups import GroupComms
-from zerodp.comm.whereabouts import Activity, whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.group import GroupIndex

@@ -23,8 +23,8 @@ from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
 from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
+from zerodp.comm.faults.uneven_inputs import whereabouts
 from zerodp.comm.group import local_rank
-from zerodp.comm.whereabouts import whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import Removable, assemble

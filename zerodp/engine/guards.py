@@ -35,7 +35,7 @@ from torch.nn.modules.module import (
 )
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from zerodp.comm.wrappers import fully_sharded_by_fsdp2, wrapper_calling
+from zerodp.comm.data_parallel_wrappers import fully_sharded_by_fsdp2, wrapper_calling
 from zerodp.errors import UsageError
 from zerodp.managed import manager_of
 
