@@ -34,10 +34,10 @@ from zerodp.errors import (
 )
 from zerodp.optim.tensorwise import declare_elementwise
 from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
-
-__version__ = "0.1.0"
+from zerodp.version import __version__
 
 __all__ = [
+    "__version__",
     "AgreedError",
     "CheckpointError",
     "CheckpointPathError",

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from zerodp import __version__
+from zerodp.version import __version__
 from zerodp.launch import runner
 
 _DESCRIPTION = "zerodp: ZeRO data-parallel training for PyTorch."
