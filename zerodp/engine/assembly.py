@@ -32,7 +32,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp.accessors import FullStateAccessor
 from zerodp.backward.hooks import RootHooks, install_parameter_hooks
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.plan import GradStorage
@@ -41,10 +40,11 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm, broadcast_tensors
 from zerodp.comm.group import comms_timeout
 from zerodp.comm.subgroups import GroupComms, group_comms
-from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
-from zerodp.data import ZeroDataLoader
+from zerodp.engine.compile import apply_compile, prepare_stage3
+from zerodp.engine.data_loader import ZeroDataLoader
 from zerodp.engine.optimizers import optimizer_parts, scheduler_for, tensorwise_step
+from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group import (
     GatherState,
     GroupIndex,

@@ -14,7 +14,7 @@ from zerodp.comm import Comm
 from zerodp.comm.subgroups import GroupComms
 from zerodp.comm.whereabouts import Activity, whereabouts
 from zerodp.config import ZeroDPConfig
-from zerodp.data import ZeroDataLoader
+from zerodp.engine.data_loader import ZeroDataLoader
 from zerodp.group import GroupIndex
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy

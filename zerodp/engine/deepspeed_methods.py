@@ -18,12 +18,12 @@ from torch import nn
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import NonScalarLossError, UsageError
+from zerodp.full_state.state_dicts import full_state_dict, load_state_dict, save_state_dict
 from zerodp.group import GroupIndex
 from zerodp.monitor.memory import ModelStateTensors
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
-from zerodp.state_dicts import full_state_dict, load_state_dict, save_state_dict
 
 logger = logging.getLogger("zerodp")
 
