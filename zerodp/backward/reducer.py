@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from zerodp.backward.buffers import BufferPool
-from zerodp.backward.exposure import ParamGradView
+from zerodp.backward.param_grad_views import ParamGradView
 from zerodp.backward.plan import FullReduce, ReductionPlan
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm, Handle

@@ -9,7 +9,7 @@ param-group count, every JSON value, every rank's generator states) and
 changes nothing until every check has passed on every rank. Nothing is
 unpickled from a checkpoint (`zerodp.checkpoint.safe_metadata`). Tensors
 go through DCP (see `zerodp.checkpoint.tensors`); the rest is JSON
-(`zerodp.checkpoint.plain`). Saving is atomic (`zerodp.checkpoint.paths`)
+(`zerodp.checkpoint.json_state`). Saving is atomic (`zerodp.checkpoint.paths`)
 and every failure of it, DCP's own included, is one `CheckpointError` with
 the same message on every rank, after which the engine trains on.
 """
@@ -25,7 +25,15 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from zerodp.checkpoint import checksums, destinations, gradients, integrity, plain, schema, tensors
+from zerodp.checkpoint import (
+    checksums,
+    destinations,
+    gradients,
+    integrity,
+    json_state,
+    schema,
+    tensors,
+)
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
 from zerodp.checkpoint.paths import (
     check_load_source,
@@ -64,7 +72,7 @@ def save_checkpoint(
             else f"global_step{subject.counters.state_dict()['global_steps']}"
         )
         client_json = to_jsonable({} if client_state is None else client_state, client_tensors)
-        shared = plain.shared_state(subject, client_json)
+        shared = json_state.shared_state(subject, client_json)
         shared["gradients"] = gradients.describe(subject)
         json.dumps(shared, allow_nan=True)
     except _FAILURES as caught:
@@ -124,11 +132,11 @@ def _write(
 
     def write_json_and_hash() -> None:
         rank_file = f"rank{comm.rank}.json"
-        plain.write_json(temp / rank_file, plain.rank_state())
+        json_state.write_json(temp / rank_file, json_state.rank_state())
         entries[rank_file] = checksums.small_file_entry(temp / rank_file)
         if comm.rank == 0:
-            plain.write_json(temp / plain.STATE_FILE, shared)
-            for name in (plain.STATE_FILE, METADATA_FILE):
+            json_state.write_json(temp / json_state.STATE_FILE, shared)
+            for name in (json_state.STATE_FILE, METADATA_FILE):
                 entries[name] = checksums.small_file_entry(temp / name)
         chunks = checksums.chunks_by_file(written[0])
         for name in checksums.my_share(chunks, comm.rank, comm.world_size):
@@ -221,9 +229,9 @@ def load_checkpoint(
         if verify_checksums and manifest is None:
             _warn_unverified(comm, path)
         if manifest is not None:
-            for name in (METADATA_FILE, plain.STATE_FILE):
+            for name in (METADATA_FILE, json_state.STATE_FILE):
                 checksums.check_small_file(path, name, manifest)
-        shared = plain.read_shared_state(path)
+        shared = json_state.read_shared_state(path)
         schema.check_shared_state(shared)
         metadata = read_metadata(path)
         integrity.check_files(path, metadata)
@@ -274,7 +282,7 @@ def load_checkpoint(
         rng = {k: v for k, v in wanted.items() if k.startswith("rng.")}
         tensors.restore_rng(rng, comm.rank)
         if rank_json is not None:
-            plain.restore_rank_state(rank_json)
+            json_state.restore_rank_state(rank_json)
         grads.apply(subject)
     client = {k: v for k, v in wanted.items() if k.startswith("client.")}
     return str(path), from_jsonable(shared.get("client_state"), client)

@@ -43,7 +43,7 @@ from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.compile import apply_compile, prepare_stage3
 from zerodp.engine.data_loader import ZeroDataLoader
-from zerodp.engine.optimizers import optimizer_parts, scheduler_for, tensorwise_step
+from zerodp.engine.optimizers import scheduler_for, tensorwise_step, torch_optimizers_for
 from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group import (
     GatherState,
@@ -67,12 +67,12 @@ from zerodp.offload.setup import (
 from zerodp.optim.factory import optimizer_sources, steps_fused
 from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec, resolve_param_groups
-from zerodp.optim.parts import OptimizerSource
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.optim.tensorwise import (
     TensorwiseStep,
 )
+from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.params.init import adopt_init_groups
 from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
@@ -245,7 +245,7 @@ def assemble(
     def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
         return tensorwise_step(states, config, shard_comm, device, step_shapes)
 
-    parts = optimizer_parts(decision, sources, specs, groups, offload, make_tensorwise)
+    parts = torch_optimizers_for(decision, sources, specs, groups, offload, make_tensorwise)
     inner = parts.inner
     optimizer = ZeroOptimizer(
         parts,

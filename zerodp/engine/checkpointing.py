@@ -114,7 +114,7 @@ class CheckpointMethods:
             gradients_held=self.gate.gradients_held,
             gradients_loaded=self.gate.on_gradients_loaded,
             before_save=self.optimizer.adopt_replaced_params,
-            whole_tensors=self.optimizer.parts.tensorwise,
+            whole_tensors=self.optimizer.torch_optimizers.tensorwise,
             num_replicas=self.comms.topology.num_replicas,
             replica_index=self.comms.topology.replica_index,
         )

@@ -14,39 +14,39 @@ from zerodp.errors import ConfigError
 from zerodp.group import GroupIndex, GroupState
 from zerodp.offload import OffloadPolicy, Placement
 from zerodp.optim.param_groups import ParamGroupSpec
-from zerodp.optim.parts import OptimizerParts, OptimizerSource, build_parts
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.tensorwise import GroupLayout, OwnerPlacement, TensorwiseStep, build_plan
+from zerodp.optim.torch_optimizers import OptimizerSource, TorchOptimizers, build_torch_optimizers
 from zerodp.posttrain.mode import InferenceOptimizer, ModeDecision, refusal_message
 
 
-def optimizer_parts(
+def torch_optimizers_for(
     decision: ModeDecision,
     sources: list[OptimizerSource],
     specs: list[ParamGroupSpec],
     groups: GroupIndex,
     offload: OffloadPolicy,
     make_tensorwise: Callable[[list[GroupState]], TensorwiseStep],
-) -> OptimizerParts:
+) -> TorchOptimizers:
     """The torch optimizers on the trainable groups; an inference engine's refuses to step."""
     if not decision.trains:
-        return OptimizerParts(
-            parts=[],
+        return TorchOptimizers(
+            members=[],
             inner=InferenceOptimizer(refusal_message(decision, "optimizer.step()")),
             tensorwise=None,
         )
-    parts = build_parts(
+    optimizers = build_torch_optimizers(
         sources, [spec.options for spec in specs], groups.trainable, make_tensorwise
     )
-    if parts.tensorwise is not None and offload.optimizer is Placement.FILE:
+    if optimizers.tensorwise is not None and offload.optimizer is Placement.FILE:
         raise ConfigError(
             "an optimizer that reads whole tensors (Muon, Adafactor, any optimizer zerodp does "
             "not know as elementwise) keeps its state with the rank that steps each tensor, "
             "which NVMe optimizer offload does not support; use "
             '"offload_optimizer": {"device": "cpu"} or none'
         )
-    return parts
+    return optimizers
 
 
 def tensorwise_step(

@@ -3,7 +3,7 @@
 Modules moved out of the package root (it holds at most six modules) and some were renamed
 to say what they hold. An old path of a public helper keeps working, with a
 `DeprecationWarning` naming the new one; an old path of an internal module raises
-`ModuleNotFoundError` naming the new one. `zerodp/__init__.py` installs the finder;
+`ImportError` naming the new one. `zerodp/__init__.py` installs the finder;
 `MOVED` is the whole list.
 """
 

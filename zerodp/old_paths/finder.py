@@ -24,7 +24,7 @@ class Moved:
     """Where an old module path went, and whether importing the old path still works."""
 
     new: str  # the module's path now
-    public: bool  # True: keeps working, with a DeprecationWarning; False: ModuleNotFoundError
+    public: bool  # True: keeps working, with a DeprecationWarning; False: ImportError
     instead: str = ""  # the public names to use, where there are some
 
     def message(self, old: str) -> str:
@@ -53,6 +53,13 @@ MOVED: dict[str, Moved] = {
     "zerodp.compile": Moved(
         "zerodp.engine.compile", public=False, instead='the config\'s "compile" block'
     ),
+    # Modules renamed to say what they hold.
+    "zerodp.backward.exposure": Moved("zerodp.backward.param_grad_views", public=False),
+    "zerodp.checkpoint.plain": Moved("zerodp.checkpoint.json_state", public=False),
+    "zerodp.checkpoint.deepspeed.targets": Moved(
+        "zerodp.checkpoint.deepspeed.destinations", public=False
+    ),
+    "zerodp.optim.parts": Moved("zerodp.optim.torch_optimizers", public=False),
 }
 
 
@@ -83,7 +90,9 @@ class _OldPathLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         if not self.moved.public:
-            raise ModuleNotFoundError(self.moved.message(self.old), name=self.old)
+            # ImportError, not ModuleNotFoundError: `from zerodp import managed` would
+            # swallow the latter and say only "cannot import name 'managed'".
+            raise ImportError(self.moved.message(self.old), name=self.old)
         warnings.warn(
             self.moved.message(self.old),
             DeprecationWarning,

@@ -123,7 +123,7 @@ def export_safetensors(
         with SafetensorsStreamWriter(file, file_entries, {"format": "pt"}) as writer:
             for entry in file_entries:
                 if entry.name in wanted:
-                    value = wanted.pop(entry.name).targets["fp32"]
+                    value = wanted.pop(entry.name).destinations["fp32"]
                 elif entry.name in run.buffers:
                     value = run.buffers[entry.name]
                 else:

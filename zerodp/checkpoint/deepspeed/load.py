@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.checkpoint.deepspeed import targets, training_state
+from zerodp.checkpoint.deepspeed import destinations, training_state
 from zerodp.checkpoint.deepspeed.files import DeepSpeedFiles, DeepSpeedFormat
 from zerodp.checkpoint.deepspeed.records import ModelStates, read_model_states
 from zerodp.checkpoint.deepspeed.sources import Source, frozen_value, open_source
@@ -69,7 +69,7 @@ class _Plan:
 
     model: ModelStates
     source: Source
-    params: targets.ParamTargets
+    params: destinations.ParamDestinations
     state: training_state.TrainingState
     report: LoadReport
     models_of_ranks: list[ModelStates]
@@ -77,10 +77,10 @@ class _Plan:
     def read_tensors(self, subject: CheckpointSubject) -> None:
         self.params.attach(subject.optimizer)
         self.source.fill(self.params.wanted)
-        targets.write_steps(subject, self.params)
+        destinations.write_steps(subject, self.params)
         for whole in self.params.whole:
             if whole.wanted is not None:
-                whole.write(whole.wanted.targets["fp32"].reshape(whole.shape))
+                whole.write(whole.wanted.destinations["fp32"].reshape(whole.shape))
             else:
                 whole.write(frozen_value(self.models_of_ranks, whole.name, whole.shape))
         buffers = dict(subject.module.named_buffers())
@@ -98,8 +98,8 @@ def _plan(
     model = read_model_states(files.model_files[0])
     source = open_source(files, model)
     if with_optimizer:
-        targets.check_optimizer_kind(subject.optimizer)
-    params = targets.plan_targets(subject, model, with_optimizer)
+        destinations.check_optimizer_kind(subject.optimizer)
+    params = destinations.plan_destinations(subject, model, with_optimizer)
     models_of_ranks = [model]
     if any(w.wanted is None for w in params.whole) and len(files.model_files) > 1:
         models_of_ranks += [read_model_states(path) for path in files.model_files[1:]]
@@ -109,7 +109,7 @@ def _plan(
     source.check(params.wanted)
     _check_buffers(subject, model)
     if with_optimizer:
-        targets.plan_steps(subject, params, source.optimizer.steps)
+        destinations.plan_steps(subject, params, source.optimizer.steps)
     state = training_state.plan_training_state(
         subject,
         model,
