@@ -13,12 +13,14 @@ and returns a `report.LoadReport` of what it restored.
 """
 
 from zerodp.checkpoint.any_format import load_any_checkpoint
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.report import LoadReport
 from zerodp.checkpoint.save_load import load_checkpoint, save_checkpoint
 from zerodp.checkpoint.subject import CheckpointSubject
 
 __all__ = [
     "CheckpointSubject",
+    "LoadOptions",
     "LoadReport",
     "load_any_checkpoint",
     "load_checkpoint",

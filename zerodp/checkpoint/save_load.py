@@ -35,6 +35,7 @@ from zerodp.checkpoint import (
     tensors,
 )
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.paths import (
     check_load_source,
     check_save_target,
@@ -199,21 +200,17 @@ def _root_cause(error: BaseException) -> BaseException:
 
 
 def load_checkpoint(
-    subject: CheckpointSubject,
-    load_dir: Any,
-    tag: str | None = None,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-    verify_checksums: bool = True,
+    subject: CheckpointSubject, load_dir: Any, options: LoadOptions
 ) -> tuple[str | None, Any]:
     comm = subject.comm
+    tag = options.tag
     if tag is None and not _any_latest(subject, load_dir):
         # As in DeepSpeed: nothing saved yet is not an error; the caller starts afresh.
         if comm.rank == 0:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
         return None, None
-    with_optimizer = load_optimizer_states and not load_module_only
+    with_optimizer = options.with_optimizer
+    verify_checksums = options.verify_checksums
     error: BaseException | None = None
     path = Path(".")
     shared: dict[str, Any] = {}
@@ -241,7 +238,7 @@ def load_checkpoint(
             chunks = checksums.chunks_by_file(metadata)
             for name in checksums.my_share(chunks, comm.rank, comm.world_size):
                 checksums.check_data_file(path, name, chunks[name], manifest)
-        _check_json_pieces(subject, shared, with_optimizer, load_lr_scheduler_states)
+        _check_json_pieces(subject, shared, with_optimizer, options.load_lr_scheduler_states)
         rank_json = _read_rank_json(path, comm.rank, shared["world_size"], manifest)
         destinations.check_rng(saved, shared["world_size"])
         wanted = destinations.model_destinations(subject, saved)
@@ -250,7 +247,7 @@ def load_checkpoint(
             wanted.update(destinations.optimizer_destinations(subject, saved, planned))
         wanted.update(destinations.fresh_tensors(saved, f"rng.rank{comm.rank}."))
         wanted.update(destinations.fresh_tensors(saved, "client."))
-        if not load_module_only:
+        if not options.load_module_only:
             grads = gradients.plan_load(subject, shared, saved, with_optimizer)
             wanted.update(grads.destinations)
         destinations.check_kinds(wanted, saved, metadata)
@@ -269,13 +266,17 @@ def load_checkpoint(
     comm.raise_if_any_failed(error)
 
     subject.after_load()
-    if not load_module_only:
+    if not options.load_module_only:
         subject.counters.load_state_dict(shared["counters"])
         if with_optimizer:
             subject.optimizer_settings.load_state_dict(shared["optimizer"])
             subject.loss_scaler.load_state_dict(shared["loss_scaler"])
         scheduler_state = shared.get("lr_scheduler")
-        if load_lr_scheduler_states and subject.lr_scheduler is not None and scheduler_state:
+        if (
+            options.load_lr_scheduler_states
+            and subject.lr_scheduler is not None
+            and scheduler_state
+        ):
             subject.lr_scheduler.load_state_dict(scheduler_state)
         if subject.dataloader is not None and shared.get("dataloader") is not None:
             subject.dataloader.load_state_dict(shared["dataloader"])

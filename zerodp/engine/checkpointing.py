@@ -8,7 +8,13 @@ from typing import Any
 from torch import nn
 
 from zerodp.backward.step_gate import StepGate
-from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
+from zerodp.checkpoint import (
+    CheckpointSubject,
+    LoadOptions,
+    LoadReport,
+    load_any_checkpoint,
+    save_checkpoint,
+)
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
 from zerodp.comm.subgroups import GroupComms
@@ -76,14 +82,15 @@ class CheckpointMethods:
         What was restored and what not is logged and kept in `last_load_report`.
         """
         with whereabouts().doing(Activity.LOADING):  # see [Note: uneven inputs]
-            path, client, self.last_load_report = load_any_checkpoint(
-                self._checkpoint_subject(),
-                load_dir,
+            options = LoadOptions(
                 tag=tag,
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only,
                 verify_checksums=verify_checksums,
+            )
+            path, client, self.last_load_report = load_any_checkpoint(
+                self._checkpoint_subject(), load_dir, options
             )
         self.gate.on_load()
         return path, client

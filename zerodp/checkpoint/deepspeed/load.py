@@ -20,27 +20,26 @@ from zerodp.checkpoint.deepspeed import destinations, training_state
 from zerodp.checkpoint.deepspeed.files import DeepSpeedFiles, DeepSpeedFormat
 from zerodp.checkpoint.deepspeed.records import ModelStates, read_model_states
 from zerodp.checkpoint.deepspeed.sources import Source, frozen_value, open_source
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.report import LoadReport
 from zerodp.checkpoint.subject import CheckpointSubject
 from zerodp.errors import CheckpointError, ZeroDPError
 
 
 def load_deepspeed_checkpoint(
-    subject: CheckpointSubject,
-    files: DeepSpeedFiles,
-    *,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
+    subject: CheckpointSubject, files: DeepSpeedFiles, options: LoadOptions
 ) -> tuple[str, dict[str, Any], LoadReport]:
-    """Returns (checkpoint folder, the run's client_state, what was and was not restored)."""
+    """Returns (checkpoint folder, the run's client_state, what was and was not restored).
+
+    `files` were found with `options.tag`; DeepSpeed's format has no checksums, so
+    `options.verify_checksums` has nothing to check here.
+    """
     comm = subject.comm
-    with_optimizer = load_optimizer_states and not load_module_only
     error: BaseException | None = None
     plan: _Plan | None = None
     try:
         subject.check_idle()
-        plan = _plan(subject, files, with_optimizer, load_lr_scheduler_states, load_module_only)
+        plan = _plan(subject, files, options)
     except Exception as caught:
         error = caught if isinstance(caught, ZeroDPError) else _unexpected(caught, files)
     comm.raise_if_any_failed(error)  # nothing has been changed yet, on any rank
@@ -88,13 +87,8 @@ class _Plan:
             buffers[name].copy_(self.model.module[name])
 
 
-def _plan(
-    subject: CheckpointSubject,
-    files: DeepSpeedFiles,
-    with_optimizer: bool,
-    with_scheduler: bool,
-    module_only: bool,
-) -> _Plan:
+def _plan(subject: CheckpointSubject, files: DeepSpeedFiles, options: LoadOptions) -> _Plan:
+    with_optimizer = options.with_optimizer
     model = read_model_states(files.model_files[0])
     source = open_source(files, model)
     if with_optimizer:
@@ -115,9 +109,7 @@ def _plan(
         model,
         source.optimizer,
         _group_names(subject, params.names),
-        with_optimizer=with_optimizer,
-        with_scheduler=with_scheduler,
-        module_only=module_only,
+        options,
     )
     report = LoadReport(_describe(files, model))
     report.restored.append(
