@@ -112,3 +112,15 @@ def test_the_package_root_holds_at_most_six_modules() -> None:
         p.name for p in root.glob("*.py") if p.name not in {"__init__.py", "version.py"}
     )
     assert len(modules) <= 6, modules
+
+
+def test_docs_architecture_lists_every_old_path() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    section = text.split("## Old import paths", 1)[1].split("\n## ", 1)[0]
+    listed: dict[str, tuple[str, bool]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            old, new = cells[0].strip("`"), cells[1].strip("`")
+            listed[f"zerodp.{old}"] = (new, cells[2].startswith("works"))
+    assert listed == {old: (moved.new, moved.public) for old, moved in MOVED.items()}
