@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import NonScalarLossError, UsageError
@@ -78,8 +79,7 @@ class DeepSpeedEngineMethods:
     strategy: StageStrategy
     precision: PrecisionPolicy
     optimizer: ZeroOptimizer
-    _boundary_override: bool | None
-    _no_sync_depth: int
+    window: AccumulationWindow
 
     # -- the model ---------------------------------------------------------------------
 
@@ -168,7 +168,7 @@ class DeepSpeedEngineMethods:
         The reduction of the backward that follows and the next `step()` honour it,
         as in DeepSpeed (used by pipeline and custom accumulation loops).
         """
-        self._boundary_override = is_boundary
+        self.window.boundary_override = is_boundary
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -185,11 +185,11 @@ class DeepSpeedEngineMethods:
                 "reduce-scatters its gradients into shards, so there is no local gradient to "
                 "keep; accumulate with gradient_accumulation_steps instead (or use stage 0 or 1)"
             )
-        self._no_sync_depth += 1
+        self.window.no_sync_depth += 1
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self.window.no_sync_depth -= 1
 
     # -- queries -----------------------------------------------------------------------
 

@@ -22,9 +22,13 @@ from torch import nn
 from zerodp.backward import autograd_api
 from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
-from zerodp.comm import Comm
 from zerodp.group import GroupState
-from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm, scale_grads
+from zerodp.optim.grad_norm import (
+    NormReduction,
+    clip_by_global_norm,
+    global_grad_norm,
+    scale_grads,
+)
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
 from zerodp.optim.torch_optimizers import TorchOptimizers
 from zerodp.precision.loss_scaler import LossScaler
@@ -53,9 +57,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         torch_optimizers: TorchOptimizers,
         *,
         reducer: GradientReducer,
-        comm: Comm,
+        norm: NormReduction,
         states: list[GroupState],
-        sharded_grads: bool,
         params: ParamPublisher,
         model_params: list[nn.Parameter],
         gradient_clipping: float,
@@ -69,9 +72,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = torch_optimizers.inner
         self.defaults = torch_optimizers.inner.defaults
         self._reducer = reducer
-        self._comm = comm
+        self._norm = norm
         self._states = states
-        self._sharded_grads = sharded_grads
         self._params = params
         self._model_params = model_params
         self.gradient_clipping = gradient_clipping
@@ -165,7 +167,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scaler = self.loss_scaler
         if scaler.scale != 1.0 and grads:
             scale_grads(grads, 1.0 / scaler.scale)
-        norm = global_grad_norm(grads, self._comm, sharded=self._sharded_grads, device=self._device)
+        norm = global_grad_norm(grads, self._norm, device=self._device)
         self.last_grad_norm = norm
         self.last_step_skipped = False
         if scaler.checks_overflow:
