@@ -53,7 +53,7 @@ from torch import nn
 
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.buffers import BufferPool
-from zerodp.backward.exposure import ParamGradView
+from zerodp.backward.param_grad_views import ParamGradView
 from zerodp.backward.plan import ReductionPlan
 from zerodp.backward.reduction_queue import LaunchKind, ReductionQueue, kept_gradient
 from zerodp.backward.signals import Signal

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp import managed
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
@@ -38,6 +37,7 @@ from zerodp.engine.deepspeed_methods import (
 from zerodp.engine.join import JoinMethods
 from zerodp.engine.startup_checks import check_ranks_agree
 from zerodp.errors import LifecycleError, UsageError
+from zerodp.full_state import param_managers as managed
 from zerodp.group import ParamStatus
 from zerodp.monitor.events import NON_FINITE_STEPS
 from zerodp.monitor.memory import ModelStateBytes, model_state_bytes, with_host_tensors
