@@ -7,7 +7,9 @@
 - `model.generate` (HF, greedy) gives the plain model's tokens at stage 3 with
   `gathered_for_generation()`, with its layer-by-layer variant, and without it; after the
   context every parameter's status is what it was, no module hook moved, and a policy
-  that generates between steps trains exactly as one that does not.
+  that generates between steps, or between a forward and its backward (the groups kept
+  for that backward are released on entry and gathered again by it), trains exactly as
+  one that does not.
 
 Every rank prompts with different tokens; the reference is the same model run plainly in
 the test (one process per rank, no communication needed for a forward).
@@ -217,17 +219,20 @@ def test_generate_tokens_equal_the_plain_model(pools, stage: int) -> None:
 
 
 def _generate_checked(engine: zerodp.ZeroEngine, salt: int) -> int:
-    """Generate inside the context; every status is as before. Returns how many were gathered."""
+    """Generate inside the context; afterwards nothing is gathered: what a forward kept for
+    its backward is released on entry, on every rank alike, and nothing else was gathered.
+    Returns how many were gathered before."""
     before = _statuses(engine)
     with engine.gathered_for_generation():
         _generate(engine.module, _prompts(salt=salt))
-    assert _statuses(engine) == before
+    assert set(_statuses(engine)) == {"NOT_AVAILABLE"}, _statuses(engine)
     return before.count("AVAILABLE")
 
 
 def _train_steps(generate_between: bool, steps: int = 3) -> list[torch.Tensor]:
     """Train at stage 3; optionally generate after each forward (before its backward, while
-    the forward keeps groups gathered for it) and after each step."""
+    the forward keeps groups gathered for it: the context releases them, the backward
+    gathers them again) and after each step."""
     model = build_llama()
     config = zerodp_config(
         3, micro_batch=2, optimizer=optimizer_config("AdamW", lr=1e-2), persistence_threshold=0
@@ -244,7 +249,7 @@ def _train_steps(generate_between: bool, steps: int = 3) -> list[torch.Tensor]:
         if generate_between:
             _generate_checked(engine, salt=step)
     if generate_between:
-        assert kept > 0, "no group was kept for a backward: the restore was not exercised"
+        assert kept > 0, "no group was kept for a backward: their release was not exercised"
     weights = [t.clone() for t in engine.state_dict().values()]
     engine.destroy()
     return weights

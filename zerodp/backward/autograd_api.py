@@ -8,7 +8,9 @@ internals is a change to this file only. See [Note: backward lifecycle] in
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch.autograd import Variable
@@ -77,3 +79,31 @@ def saved_tensor_hooks_active() -> bool:
     if top is None:  # pragma: no cover - very old releases
         return False
     return top(False) is not None
+
+
+_FREED_KEY = "zerodp.graph_freed"  # the key of zerodp's sentinels in a node's metadata
+
+
+class _GraphSentinel:
+    """Stored in the metadata of graph nodes: it lives exactly as long as the last of them."""
+
+
+def on_graph_freed(
+    nodes: Iterable[torch.autograd.graph.Node], callback: Callable[[], None]
+) -> None:
+    """Run `callback` once every node in `nodes` is freed (the graph they head was dropped).
+
+    Autograd nodes cannot be weak-referenced, but each owns a `metadata` dict that
+    lives and dies with it: one object stored in each node's dict dies with the last of
+    them, and a finalizer on it runs then, where that happens: at once, by reference
+    counting, where the last reference to the graph is dropped (`del out`, or the loss
+    built from it), or inside a garbage collection when the graph was part of a
+    reference cycle, in whichever thread that runs. The callback is never run at exit.
+    """
+    sentinel = _GraphSentinel()
+    for node in nodes:
+        # A property on every node class, typed as a method by torch's stubs.
+        metadata = cast(dict[str, list[_GraphSentinel]], node.metadata)
+        metadata.setdefault(_FREED_KEY, []).append(sentinel)
+    finalizer = weakref.finalize(sentinel, callback)
+    finalizer.atexit = False

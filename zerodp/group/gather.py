@@ -67,6 +67,9 @@ class GatherState:
         # one, a gathered group has the plain class only while claimed (see `claim`).
         self.claims = 0
         self._in_forward_pass = False
+        # Left gathered at a forward's end for the head of its backward; released once no
+        # backward can come ([Note: kept for the backward's head], params.forward_graphs).
+        self.kept_for_backward = False
         self._handle: Handle | None = None  # set exactly while INFLIGHT
         # (class while gathered, class otherwise) of the group's parameters; see `guard_with`.
         self._classes: tuple[type[Any], type[Any]] | None = None
@@ -167,6 +170,7 @@ class GatherState:
         self._set_class(1)
         self.flat.free_full()
         self.status = ParamStatus.NOT_AVAILABLE
+        self.kept_for_backward = False
 
     @property
     def releasable(self) -> bool:
@@ -182,6 +186,15 @@ class GatherState:
             self.to_available()
         self.to_not_available()
         return True
+
+    def keep_for_backward(self) -> None:
+        """Stay gathered after the forward that ends now, for its backward's head."""
+        if self.status is ParamStatus.NOT_AVAILABLE:
+            raise ParamStateError(
+                f"parameters {self.shown_names()}: cannot be kept gathered for a backward "
+                "while NOT_AVAILABLE"
+            )
+        self.kept_for_backward = True
 
     # -- users ---------------------------------------------------------------------
 

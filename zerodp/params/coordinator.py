@@ -27,7 +27,8 @@ their saving windows) and `ModuleGroups` (which groups each module gathers).
 What stays here is the passes: their beginning and end, the recorded order of
 each kind of pass (`forward_trace`, `backward_trace`) and the rules for what a
 pass keeps gathered (reuse within `stage3_max_reuse_distance`, the head of the
-backward about to follow).
+backward about to follow, kept while a backward can still come: [Note: kept
+for the backward's head] in `zerodp.params.forward_graphs`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from zerodp.backward import autograd_api
 from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.errors import ParamStateError
 from zerodp.group import GroupIndex, GroupState, ParamStatus
+from zerodp.params.forward_graphs import ForwardGraphs
 from zerodp.params.forward_scopes import ForwardScopes
 from zerodp.params.gatherer import GroupGatherer
 from zerodp.params.module_groups import ModuleGroups
@@ -85,6 +87,9 @@ class ParamCoordinator:
         self.forward_trace: ExecutionTrace[GroupState] = ExecutionTrace(_numel_of)
         self.backward_trace: ExecutionTrace[GroupState] = ExecutionTrace(_numel_of)
         self._backward_head: set[GroupState] = set()  # groups the backward uses first
+        # The forwards' graphs a backward may still run through; when the last is freed,
+        # what was kept for a backward goes.
+        self.graphs = ForwardGraphs(self.gatherer.release_kept)
 
     # -- forward -------------------------------------------------------------------
 
@@ -96,22 +101,29 @@ class ParamCoordinator:
         self.forward_trace.begin_pass()
         self._backward_head = self._first_backward_groups()
 
-    def end_forward(self, backward_follows: bool) -> None:
+    def end_forward(self, graph: list[torch.autograd.graph.Node]) -> None:
         """Release what the forward gathered, except what its backward would prefetch first.
 
-        The groups a forward ends with (an output layer, an embedding tied to it) are the
-        ones its backward starts with: when a backward can follow (grad mode on), groups
-        within the backward's first `stage3_prefetch_bucket_size` elements stay gathered
-        instead of being released and gathered straight back. `release_unheld()` (at
-        `step()`, the next forward, or the backward's end) lets them go.
+        `graph`: the nodes that produced the output's tensors that require grad; empty
+        when no backward can come through the output. The groups a forward ends with (an
+        output layer, an embedding tied to it) are the ones its backward starts with: when
+        a backward can follow, groups within the backward's first
+        `stage3_prefetch_bucket_size` elements stay gathered instead of being released and
+        gathered straight back, until that backward, or until no backward can come (see
+        [Note: kept for the backward's head]).
         """
         self.forward_trace.end_pass()
         # Until a backward has been recorded, expect it to run the forward in reverse, so
         # that the first backward prefetches like every later one.
         self.backward_trace.seed(self.forward_trace.recorded[::-1])
         for state in self.gatherer.states:
-            if not (backward_follows and self._keeps_for_backward(state, ahead=0)):
+            gathered = state.sharded_gather.status is not ParamStatus.NOT_AVAILABLE
+            if graph and gathered and self._keeps_for_backward(state, ahead=0):
+                self.gatherer.keep_for_backward(state)
+            else:
                 self.gatherer.release(state)
+        if graph:
+            self.graphs.add(graph)
         self.scopes.end_pass()
         if self.order is not None:
             self.order.end()
@@ -158,6 +170,9 @@ class ParamCoordinator:
         if self.order is not None:
             self.order.begin("backward")
         self.backward_trace.begin_pass()
+        # What the forwards kept for a backward is this one's now: its end releases it.
+        self.gatherer.forget_kept()
+        self.graphs.backward_started()
 
     def pre_backward(self, module: nn.Module) -> None:
         for state in self.module_groups.gathered_for(module):

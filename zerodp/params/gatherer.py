@@ -9,7 +9,10 @@ maximum since `reset_peak()`. Only groups nobody holds are released.
 When to gather and release is decided by the `ParamCoordinator`; this object
 only carries it out, prefetching from a recorded order (`prefetch_window`) as
 far as `stage3_prefetch_bucket_size` and `stage3_max_live_parameters` allow.
-Holds (`GatheredParameters`, generation, weight streaming) come here directly.
+Holds (`GatheredParameters`, generation, weight streaming) come here directly;
+they first release the groups a forward kept for its backward, so that every
+rank gathers the same groups ([Note: kept for the backward's head] in
+`zerodp.params.forward_graphs`).
 """
 
 from __future__ import annotations
@@ -128,13 +131,42 @@ class GroupGatherer:
             self.live_numel -= gather.numel
 
     def release_unheld(self) -> None:
-        """Release every group nobody holds (before an optimizer step, for instance)."""
+        """Release every group nobody holds (before an optimizer step, for instance); what
+        a forward kept for its backward is let go, held or not."""
         for state in self.states:
             self.release(state)
+        self.forget_kept()
+
+    # -- kept for a backward ([Note: kept for the backward's head]) -----------------------
+
+    def keep_for_backward(self, state: GroupState) -> None:
+        """Leave `state` gathered after the forward that ends now, for its backward."""
+        state.sharded_gather.keep_for_backward()
+
+    def forget_kept(self) -> None:
+        """The groups kept for a backward stay as they are, no longer marked (a backward
+        that starts takes them over: its end releases them)."""
+        for state in self.states:
+            state.sharded_gather.kept_for_backward = False
+
+    def release_kept(self, states: list[GroupState] | None = None) -> None:
+        """Release the groups (of `states`, or all) kept for a backward, unless held.
+
+        Local: no collective. Afterwards each of those groups is released, or held as
+        before, on every rank alike, whether or not another rank let it go already.
+        """
+        for state in self.states if states is None else states:
+            gather = state.sharded_gather
+            if gather.kept_for_backward:
+                gather.kept_for_backward = False
+                self.release(state)
 
     # -- holds ---------------------------------------------------------------------
 
     def hold(self, state: GroupState) -> None:
+        """Gather `state` and hold it (what a forward kept for its backward is gathered
+        again, as on a rank that let it go already)."""
+        self.release_kept([state])
         self.gather(state)
         state.sharded_gather.hold()
 
@@ -148,6 +180,7 @@ class GroupGatherer:
         Callers pass groups in the same order on every rank (group order), as they
         would for `hold`; `unhold_all` undoes it.
         """
+        self.release_kept(states)
         for state in states:
             gather = state.sharded_gather
             if gather.status is ParamStatus.NOT_AVAILABLE:

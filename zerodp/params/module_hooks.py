@@ -7,8 +7,9 @@
 - forward post-hook (also when forward raises): the holds are dropped; a
   multi-grad hook on the outputs marks the module's pre-backward.
 - the root module also begins and ends the forward pass (releasing prefetched
-  groups nobody used); the saved-tensor hooks are installed by the scopes that
-  hold groups ([Note: saving windows]).
+  groups nobody used, and everything when its output has no graph: [Note: kept
+  for the backward's head]); the saved-tensor hooks are installed by the scopes
+  that hold groups ([Note: saving windows]).
 - only the root and modules with sharded groups in their subtree are hooked
   (`hooked_modules`): the others have nothing to gather.
 - a leaf module (see [Note: leaf modules]) gathers its whole subtree; while it
@@ -32,6 +33,7 @@ from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.forward_graphs import graph_nodes
 from zerodp.params.leaf import enter_leaf
 from zerodp.params.module_groups import ModuleGroups
 from zerodp.torch_internals import forward_raised
@@ -218,6 +220,8 @@ class Stage3ModuleHooks:
         if module is self.root and not autograd_api.in_backward():
             error = forward_raised()
             if error is None:
-                self.coordinator.end_forward(backward_follows=torch.is_grad_enabled())
+                # A backward can come only through the output's graph (none: frozen, no_grad).
+                graph = graph_nodes(grad_tensors_in(output)) if torch.is_grad_enabled() else []
+                self.coordinator.end_forward(graph)
             else:  # the forward is dying: its pass must not look complete to the other ranks
                 self.coordinator.fail_forward(error)

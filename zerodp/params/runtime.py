@@ -228,6 +228,7 @@ class Stage3Runtime:
         for handle in self._handles + self.module_hooks:
             handle.remove()
         self._handles, self.module_hooks = [], []
+        self.coordinator.graphs.close()
         self.coordinator.abort()
         self.gatherer.gather_all()
         for state in self.sharded_states:

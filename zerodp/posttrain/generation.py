@@ -19,9 +19,13 @@ call. Inside this context:
 
 On exit every group is where it was on entry (gathered if it was, else
 released), so a training step before and after sees the engine exactly as if no
-generation had run. At stages 0-2 nothing is gathered and no hook is removed;
-the same gradient rule applies, so code behaves alike at every stage. Entering
-is a collective at stage 3: every rank enters, and runs the same forwards inside.
+generation had run; but the groups a forward kept gathered for its backward are
+released on entry, on every rank, since a rank that dropped that forward's
+output has let them go already ([Note: kept for the backward's head] in
+`zerodp.params.forward_graphs`): the backward gathers them again. At stages
+0-2 nothing is gathered and no hook is removed; the same gradient rule
+applies, so code behaves alike at every stage. Entering is a collective at
+stage 3: every rank enters, and runs the same forwards inside.
 """
 
 from __future__ import annotations
@@ -117,7 +121,10 @@ class GenerationGather:
                 gatherer.reset_peak()
                 stack.callback(self._report, report, earlier_peak)
                 states = gatherer.states
-                # Gathered on entry stays gathered on exit: held throughout.
+                # What a forward kept for its backward is released first, so every rank
+                # gathers the same groups ([Note: kept for the backward's head]); the
+                # backward gathers it again. Gathered on entry stays gathered on exit.
+                gatherer.release_kept()
                 kept = [
                     s for s in states if s.sharded_gather.status is not ParamStatus.NOT_AVAILABLE
                 ]

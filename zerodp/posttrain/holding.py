@@ -2,8 +2,11 @@
 
 Generation, weight streaming (for LoRA deltas) and the layer-by-layer stream
 gather groups outside any forward. Afterwards each group must be where it was
-before: a group gathered already (kept by a forward for its backward, or held by
-a `GatheredParameters` block) stays gathered; every other one is released.
+before: a group held by a `GatheredParameters` block stays gathered; every
+other one is released. A group a forward kept gathered for its backward is
+released first, as on a rank that has let it go already, so that every rank
+gathers alike ([Note: kept for the backward's head] in
+`zerodp.params.forward_graphs`); the backward gathers it again.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ def held(gatherer: GroupGatherer | None, states: list[GroupState]) -> Iterator[N
     if gatherer is None or not states:
         yield
         return
+    gatherer.release_kept(states)  # gathered again, as on a rank that let them go already
     before = {id(s) for s in states if s.sharded_gather.status is not ParamStatus.NOT_AVAILABLE}
     gatherer.hold_all(states)
     try:
