@@ -33,6 +33,11 @@ from torch import nn
 import zerodp
 from bench._hybrid_math import stage3_step_bytes
 from tests.configs import optimizer_config, zerodp_config
+from tests.distributed.test_backward_head import (
+    evaluation_case,
+    inference_engine_case,
+    uneven_drop_case,
+)
 from tests.lockstep import Lockstep
 from tests.models import LifecycleNet, TinyNet, lifecycle_inputs, tiny_inputs
 from tests.moe_models import TwoExpertNet, two_expert_inputs
@@ -270,6 +275,17 @@ def test_leaf_modules_and_zero_init_in_shard_groups(pool: WorkerPool) -> None:
     pool.run(leaf_case, "stage3_hpz2")
     shards, adopted = pool.run(init_case, "stage3_shard2")[0]
     assert shards == 2 and adopted == 3, (shards, adopted)  # Init's 3 groups kept as built
+
+
+def test_a_forward_keeps_its_backward_head_only_while_one_can_come(pool: WorkerPool) -> None:
+    """tests/distributed/test_backward_head.py's cases in shard groups and with hpZ."""
+    for layout in ("stage3_shard2", "stage3_hpz2"):
+        _, shard, hpz = LAYOUTS[layout]
+        zero = {"mics_shard_size": shard, "zero_hpz_partition_size": hpz}
+        if layout == "stage3_shard2":
+            assert pool.run(inference_engine_case, zero) == [7] * 4
+        assert pool.run(evaluation_case, None, zero) == [3] * 4, layout
+        assert pool.run(uneven_drop_case, zero) == [6] * 4, layout
 
 
 # -- bytes, against the formulas -----------------------------------------------------------------
