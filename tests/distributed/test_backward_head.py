@@ -18,6 +18,14 @@ the head is that layer alone.
   gathered until that backward, also while a second forward's output is dropped meanwhile
   (the first still awaits its backward), and the gradients and weights equal the
   data-parallel reference computed in the test (`tests.lockstep.Lockstep`).
+- A backward that retains its graph, then a second through it: each keeps nothing gathered
+  after it, the second gathers again what the first did (the same peak of gathered
+  elements), and the gradients of both equal the reference's; dropping the retained graph
+  then changes nothing. Two forwards, then their backwards, the later first: the head stays
+  until the first backward, nothing after either, exact. An evaluation forward under
+  `no_grad` keeps nothing, its output alive.
+- Stages 0-2 keep every parameter whole through an evaluation forward with and without
+  `no_grad`, its output alive and dropped, with the same bytes, and train exactly after it.
 - Ranks that drop an evaluation output at different points: one has released the head,
   another keeps it; a full state dict (gathered group by group) still gathers alike on
   every rank, and equals the reference's weights.
@@ -219,6 +227,85 @@ def awaiting_backward_case(zero: dict[str, Any]) -> int:
     return run.param_comparisons
 
 
+def retained_and_interleaved_case(zero: dict[str, Any]) -> list[int]:
+    """retain_graph and a second backward; two forwards then two backwards; a no_grad eval."""
+    torch.manual_seed(0)
+    model = LifecycleNet()
+    run = Lockstep(model, _config(model.out, ADAM, zero), _reference_adam)
+    rank = dist.get_rank()
+    gathered = _warm_up(run, lifecycle_inputs(rank, 0))
+    gatherer = run.engine.params.gatherer
+    out, ref_out = run.forward(lifecycle_inputs(rank, 1))
+    gathered.check(model.out, "a forward whose backward will retain its graph")
+    losses = (_mse(out), _mse(ref_out))
+    peaks = []
+    for call in range(2):
+        gatherer.reset_peak()
+        run.backward(losses, retain_graph=True)
+        peaks.append(gatherer.peak_live_numel)
+        gathered.check(None, f"after backward {call} through the retained graph")
+    assert peaks[0] == peaks[1] > 0, peaks
+    del out, ref_out, losses
+    gathered.check(None, "the retained graph dropped")
+    run.step()
+    first, ref_first = run.forward(lifecycle_inputs(rank, 2))
+    second, ref_second = run.forward(lifecycle_inputs(rank, 3))
+    gathered.check(model.out, "two forwards awaiting their backwards")
+    run.backward((_mse(second), _mse(ref_second)))
+    gathered.check(None, "after the second forward's backward")
+    del second, ref_second
+    gathered.check(None, "the second forward's graph freed")
+    run.backward((_mse(first), _mse(ref_first)))
+    gathered.check(None, "after the first forward's backward")
+    del first, ref_first
+    run.step()
+    run.engine.eval()
+    with torch.no_grad():
+        out = run.engine(lifecycle_inputs(rank, 4))
+    gathered.check(None, "a no_grad evaluation forward, output alive")
+    del out
+    run.engine.train()
+    _train_step(run, lifecycle_inputs(rank, 5), gathered, model.out)
+    run.close()
+    return [run.grad_comparisons, run.param_comparisons, gathered.checks]
+
+
+def lower_stage_case(stage: int) -> int:
+    """Stages 0-2: every parameter stays whole, the same bytes, through evaluation forwards."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    run = Lockstep(model, zerodp_config(stage, optimizer=ADAM), _reference_adam)
+    rank = dist.get_rank()
+    warm_out, warm_ref = run.forward(tiny_inputs(rank, 0))
+    run.backward((_mse(warm_out), _mse(warm_ref)))
+    run.step()
+    engine = run.engine
+    base = engine.model_state_bytes().params
+    available = zerodp.zero.ParamStatus.AVAILABLE
+
+    def check(where: str) -> None:
+        statuses = {engine.param_status(p) for p in engine.module.parameters()}
+        assert statuses == {available}, (stage, where, statuses)
+        assert engine.model_state_bytes().params == base, (stage, where)
+
+    engine.eval()
+    out = engine(tiny_inputs(rank, 1))
+    check("evaluation forward, output alive")
+    del out
+    check("evaluation forward, output dropped")
+    with torch.no_grad():
+        out = engine(tiny_inputs(rank, 2))
+    check("no_grad evaluation forward, output alive")
+    del out
+    engine.train()
+    out, ref_out = run.forward(tiny_inputs(rank, 3))
+    run.backward((_mse(out), _mse(ref_out)))
+    check("after a backward")
+    run.step()
+    run.close()
+    return run.param_comparisons
+
+
 def uneven_drop_case(zero: dict[str, Any]) -> int:
     """Rank 0 drops an evaluation output that the others keep; a full state dict after it."""
     torch.manual_seed(0)
@@ -252,6 +339,16 @@ def test_evaluation_forward_releases_when_its_output_goes(pools) -> None:
 
 def test_training_forward_keeps_its_head_until_the_backward(pools) -> None:
     assert pools(2).run(awaiting_backward_case, {}) == [2, 2]
+
+
+def test_retained_graphs_and_interleaved_backwards_gather_again_exactly(pools) -> None:
+    assert pools(2).run(retained_and_interleaved_case, {}) == [[6, 4, 11]] * 2
+
+
+def test_stages_0_to_2_keep_every_parameter_whole(pools) -> None:
+    pool = pools(2)
+    for stage in (0, 1, 2):
+        assert pool.run(lower_stage_case, stage) == [2, 2], stage
 
 
 def test_ranks_dropping_an_output_at_different_points_gather_alike(pools) -> None:

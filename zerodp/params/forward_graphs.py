@@ -96,7 +96,8 @@ class ForwardGraphs:
         autograd_api.on_graph_freed(nodes, functools.partial(_freed, weakref.ref(self), number))
 
     def backward_started(self) -> None:
-        """A backward runs: the graphs so far no longer hold anything gathered for it."""
+        """A backward started: what the forwards so far kept is its own now (its end releases
+        it), and their graphs no longer count as awaiting one."""
         self._waiting.clear()
 
     def close(self) -> None:
