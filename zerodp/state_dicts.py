@@ -37,6 +37,7 @@ from zerodp.safetensors_stream import (
     plan_files,
     write_index,
 )
+from zerodp.tensor_parallel import TensorSplit
 
 
 def full_state_dict(
@@ -51,24 +52,39 @@ def full_state_dict(
     """
     manager = manager_of_module(module)
     keep = not rank0_only or manager is None or manager.global_rank == 0
+    # With tensor parallelism every rank takes part in gathering the slices whole.
+    split = _split_of(manager)
     values: dict[int, torch.Tensor] = {}
     if manager is not None:
         for state in manager.params.sharded_states:
             with GatheredParameters(state.params):
-                if keep:
-                    for param in state.params:
-                        values[id(param)] = param.detach().to(device).clone()
-    if not keep:
+                for param in state.params:
+                    value = _whole(split, param, param.detach())
+                    if keep:
+                        values[id(param)] = value.to(device).clone()
+    if not keep and split is None:
         return {}
     result: dict[str, Any] = {}
     for key, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
             if id(value) not in values:  # a tied tensor is one tensor under each of its names
-                values[id(value)] = value.detach().to(device).clone()
+                whole = _whole(split, value, value.detach())
+                values[id(value)] = whole.to(device).clone() if keep else whole
             result[key] = values[id(value)]
         else:
             result[key] = value
-    return result
+    return result if keep else {}
+
+
+def _split_of(manager: Any) -> TensorSplit | None:
+    tensor = getattr(manager, "tensor_parallel", None) if manager is not None else None
+    return None if tensor is None else tensor.split
+
+
+def _whole(split: TensorSplit | None, param: Any, local: torch.Tensor) -> torch.Tensor:
+    """`local`, or the whole tensor of which it is this rank's tensor-parallel slice (a
+    collective over the tensor group)."""
+    return local if split is None else split.whole_value(param, local)
 
 
 # -- saving, streamed ----------------------------------------------------------------------
