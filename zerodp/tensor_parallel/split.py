@@ -108,7 +108,7 @@ class TensorSplit:
                 out[name] = found
         return out
 
-    def whole_value(self, param: nn.Parameter, local: torch.Tensor) -> torch.Tensor:
+    def whole_value(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """The whole tensor of which `local` is this rank's slice of `param` (a collective
         over the tensor group: every rank calls it, for the same parameters in the same
         order). A parameter the plan leaves whole is returned as it is."""
@@ -117,7 +117,7 @@ class TensorSplit:
             return local
         return gather_whole(local, self.group, found.dim)
 
-    def local_part(self, param: nn.Parameter, whole: torch.Tensor) -> torch.Tensor:
+    def local_part(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This rank's slice of `whole`, a whole value of `param` (no communication)."""
         found = self.split_of(param)
         if found is None:
