@@ -168,3 +168,59 @@ def compare(
         if not diff <= bound:
             raise AssertionError(f"{where}: {what} differ by {diff:.3g} > {bound:g} ({diffs})")
     return diffs
+
+
+# -- a model without a plan of its own, split by the user's ---------------------------------
+
+USER_PLAN = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 4 * width)
+        self.fc2 = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class BlockNet(torch.nn.Module):
+    """Two MLP blocks with biases (a column-parallel bias is split, a row-parallel one whole)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(width) for _ in range(2)])
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def block_net() -> BlockNet:
+    torch.manual_seed(0)
+    return BlockNet()
+
+
+def block_batch(step: int, data_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(500 + 10 * step + data_index)
+    return torch.randn(4, 8, generator=generator), torch.randn(4, 3, generator=generator)
+
+
+def block_loss(model: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, target = batch
+    return torch.nn.functional.mse_loss(model(x), target)
+
+
+def block_reference(steps: int, data_size: int) -> torch.nn.Module:
+    model = block_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(steps):
+        for data_index in range(data_size):
+            (block_loss(model, block_batch(step, data_index)) / data_size).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model

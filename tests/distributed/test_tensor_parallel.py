@@ -26,7 +26,12 @@ from tests.tp_reference import (
     LR,
     MICRO,
     TENSOR,
+    USER_PLAN,
     batch_for,
+    block_batch,
+    block_loss,
+    block_net,
+    block_reference,
     compare,
     max_difference,
     prepared_model,
@@ -140,6 +145,28 @@ def test_bf16_trains_as_the_fp32_run_within_bf16_round_off(pools) -> None:
         assert result["losses"] <= 0.05, (stage, result)
 
 
+def user_plan_case(stage: int) -> float:
+    """A model without a plan of its own, split by `tensor_parallel.plan`."""
+    config = tp_config(stage, plan=USER_PLAN)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, _, _, _ = zerodp.initialize(model=block_net(), config=config)
+    fc1, fc2 = engine.module.blocks[0].fc1, engine.module.blocks[0].fc2
+    assert (fc1.out_features, fc2.in_features, fc2.out_features) == (16, 16, 8)
+    for step in range(STEPS):
+        engine.backward(block_loss(engine, block_batch(step, data_index())))
+        engine.step()
+        engine.tensor_parallel.replica_check.check(f"after step {step}")
+    weights = engine.state_dict()
+    engine.destroy()
+    reference = block_reference(STEPS, data_size())
+    return max_difference(weights, dict(reference.state_dict()))
+
+
+def test_a_model_split_by_the_users_plan_matches_one_process(pools) -> None:
+    for stage in (1, 3):
+        assert pools(2).run(user_plan_case, stage)[0] <= FP32_BOUND
+
+
 # -- refusals and checks, on every rank ------------------------------------------------------
 
 
@@ -168,6 +195,13 @@ def misuse_cases() -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
         zerodp.initialize(model=build_llama(), config=tp_config(1, plan=plan))
     out["tied"] = str(info.value)
+    # A model built sharded by zero.Init (its shards are of whole weights).
+    config = tp_config(3)
+    with zerodp.zero.Init(config=config):
+        model = build_llama()
+    with pytest.raises(ConfigError) as info:
+        zerodp.initialize(model=model, config=config)
+    out["init"] = str(info.value)
     return out
 
 
@@ -179,6 +213,7 @@ def test_misuse_is_refused_on_every_rank(pools) -> None:
         assert "engine.join() with tensor_parallel.autotp_size > 1" in result["join"]
         assert "optimizer that reads whole tensors" in result["tensorwise"]
         assert "'lm_head.weight' is shared with 'model.embed_tokens.weight'" in result["tied"]
+        assert "with a model built under zero.Init" in result["init"]
     assert results[0] == results[1]
 
 
