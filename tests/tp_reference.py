@@ -47,6 +47,7 @@ def tp_config(
             "reduce_bucket_size": 2000,
         },
         "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
         "tensor_parallel": {"autotp_size": TENSOR, **tensor_parallel},
     }
 
