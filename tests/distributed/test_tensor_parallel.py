@@ -371,6 +371,16 @@ def resume_at_one_data_rank(workdir: str) -> dict[str, Any]:
     out["streamed"] = max_difference(
         streamed, {k: v for k, v in out["continued"].items() if k in streamed}
     )
+    # Whole weights in: each rank keeps its slices (stage 3: its shards of them).
+    engine, _, _, _ = zerodp.initialize(model=build_llama(seed=2), config=tp_config(3))
+    engine.load_state_dict(os.path.join(save_dir, "model.safetensors"))
+    out["load_state_dict"] = max_difference(engine.state_dict(), out["continued"])
+    # Inside an accumulation window a checkpoint is refused (kept gradients of slices).
+    engine.backward(engine(input_ids=probe_tokens(), labels=probe_tokens()).loss)
+    with pytest.raises(CheckpointError) as info:
+        engine.save_checkpoint(os.path.join(workdir, "window"))
+    out["window"] = str(info.value)
+    engine.destroy()
     # Another T is refused before anything changes.
     engine, _, _, _ = zerodp.initialize(
         model=build_llama(), config={**tp_config(1), "tensor_parallel": {"autotp_size": 1}}
@@ -393,6 +403,8 @@ def test_a_checkpoint_loads_at_another_data_parallel_size(pools, four_ranks) -> 
         assert result["from_pretrained"] == 0.0 and result["streamed"] == 0.0
         assert (result["logits"] - result["loaded_logits"]).abs().max().item() <= FP32_BOUND
         assert "saved with tensor_parallel.autotp_size 2, this engine has 1" in result["other_t"]
+        assert result["load_state_dict"] == 0.0
+        assert "inside an accumulation window with tensor_parallel" in result["window"]
     consolidated = full_state_dict_from_checkpoint(workdir, tag="tp")
     assert max_difference(consolidated, saved["saved"]) == 0.0
 
