@@ -179,6 +179,7 @@ USER_PLAN = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
 class Block(torch.nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
+        self.num_heads = 4  # a head count kept as an attribute: split modules' parents localize it
         self.norm = torch.nn.LayerNorm(width)
         self.fc1 = torch.nn.Linear(width, 4 * width)
         self.fc2 = torch.nn.Linear(4 * width, width)

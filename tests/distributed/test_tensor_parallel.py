@@ -5,9 +5,10 @@ worker (`tests.tp_reference`: the whole model, every data rank's batch, torch's 
 compares weights, every loss and every step's global gradient norm (fp32: 1e-5), and after
 every step checks that the parameters the plan leaves whole are bitwise equal across the
 tensor group. World 2 is T=2 x D=1 at stages 0-3 and each backward pattern; world 4 is
-T=2 x D=2 at stages 1 and 3 with accumulation 2 (one pool, two cases, a checkpoint and the
-memory of model states against 16 P / (T x D)). The checkpoint saved at (T=2, D=2) loads at
-(T=2, D=1); another T is refused. The HF Trainer with T=2 matches its own one-process run.
+T=2 x D=2 at stages 1-3 with accumulation 2 (one pool, three cases, a checkpoint, and the
+memory of model states against ZeRO's bytes per element, 16 P / (T x D) at stage 3). The
+checkpoint saved at (T=2, D=2) loads at (T=2, D=1); another T is refused. The HF Trainer
+with T=2 matches its own one-process run.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ def user_plan_case(stage: int) -> float:
     engine, _, _, _ = zerodp.initialize(model=block_net(), config=config)
     fc1, fc2 = engine.module.blocks[0].fc1, engine.module.blocks[0].fc2
     assert (fc1.out_features, fc2.in_features, fc2.out_features) == (16, 16, 8)
+    assert engine.module.blocks[0].num_heads == 4 // TENSOR  # the local head count
     for step in range(STEPS):
         engine.backward(block_loss(engine, block_batch(step, data_index())))
         engine.step()
@@ -268,12 +270,17 @@ def model_state_formula(engine: Any, stage: int) -> dict[str, float]:
 def four_rank_cases(workdir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["stage 1, gas 2"] = train_case(1, gas=2, memory=True)
+    out["stage 2, gas 2"] = train_case(2, gas=2, memory=True)
     # Stage 3 with accumulation 2 and clipping; then a checkpoint, and one more step.
     config = tp_config(3, gas=2, clip=0.5, **{"verify_replicated": True})
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, _, _, _ = zerodp.initialize(model=build_llama(), config=config)
     trace, _ = train_engine(engine, STEPS, 2, data_index())
-    out["memory"] = {1: out["stage 1, gas 2"]["memory"], 3: model_state_formula(engine, 3)}
+    out["memory"] = {
+        1: out["stage 1, gas 2"]["memory"],
+        2: out["stage 2, gas 2"]["memory"],
+        3: model_state_formula(engine, 3),
+    }
     reference, expected = reference_run(STEPS, 2, data_size(), clip=0.5)
     out["stage 3, gas 2"] = compare(
         trace, engine.state_dict(), reference, expected, FP32_BOUND, "stage 3, gas 2"
@@ -312,7 +319,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_four_ranks_match_one_process_with_accumulation(four_ranks) -> None:
     first = four_ranks["results"][0]
-    for case in ("stage 1, gas 2", "stage 3, gas 2"):
+    for case in ("stage 1, gas 2", "stage 2, gas 2", "stage 3, gas 2"):
         assert first[case]["weights"] <= FP32_BOUND, (case, first[case])
 
 

@@ -43,6 +43,9 @@ def test_deepspeeds_keys_are_honoured_or_refused_by_name() -> None:
         bf16={"enabled": True},
     )
     assert config.tensor_parallel.size == 2 and config.tensor_parallel.dtype == "bf16"
+    # DeepSpeed's field name beside its alias `tp`.
+    named = load(tensor_parallel={"autotp_size": 2, "tensor_parallel": {"tp_size": 2}})
+    assert named.tensor_parallel.tp.tp_size == 2
     refused = {
         "partition_config": {"layer_specs": []},
         "preset_model": "llama",
@@ -206,3 +209,57 @@ def test_tensor_and_sequence_parallelism_together_are_refused_for_now() -> None:
         split_for_engine(
             build_llama(), TensorParallelConfig(autotp_size=2), comms, torch.device("cpu")
         )
+
+
+_FAMILY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 96,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "outcome"),
+    [
+        ("Mistral", "split"),
+        ("Qwen2", "split"),
+        ("Olmo", "split"),
+        ("Qwen3", "'model.layers.0.self_attn.q_norm' is 'replicated_with_grad_allreduce'"),
+        ("Gemma2", "a Gemma2TextScaledWordEmbedding, not an nn.Embedding"),
+    ],
+)
+def test_other_families_plans_are_read_or_refused_by_module(family: str, outcome: str) -> None:
+    """The plans of the pinned transformers' decoder families: split as Llama's, or refused
+    naming the module whose style zerodp lacks (planning only; Llama is trained in
+    tests/distributed/test_tensor_parallel.py)."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(**_FAMILY, head_dim=8)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    if outcome == "split":
+        planned = plan_split(model, read_plan(model, None), 2)
+        styles = {t.style for t in planned.targets}
+        assert styles == {
+            Style.COLWISE,
+            Style.ROWWISE,
+            Style.COLWISE_GATHER_OUTPUT,
+            Style.EMBEDDING_ROWWISE,
+        }
+        return
+    with pytest.raises(ConfigError) as info:
+        plan_split(model, read_plan(model, None), 2)
+    assert outcome in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "roberta", "t5", "bart", "vit", "whisper"])
+def test_families_without_a_plan_need_one(name: str) -> None:
+    from tests.hf_architectures import BUILDERS
+
+    model = BUILDERS[name]()
+    with pytest.raises(ConfigError, match="has no tensor-parallel plan of its own"):
+        read_plan(model, None)

@@ -222,7 +222,7 @@ def _module_problems(target: _Target, size: int) -> list[str]:
                 "(zerodp splits plain Linear layers; leave it out of the plan)"
             ]
         features = module.out_features if style.split_dim == 0 else module.in_features
-        kind = "output" if style.split_dim == 0 else "input"
+        kind = "output features" if style.split_dim == 0 else "input features"
     else:
         if type(module) is not nn.Embedding:
             return [
@@ -233,9 +233,9 @@ def _module_problems(target: _Target, size: int) -> list[str]:
                 f"'{name}' uses max_norm, sparse or scale_grad_by_freq, which a "
                 "vocabulary-parallel embedding does not support; leave it out of the plan"
             ]
-        features, kind = module.num_embeddings, "rows (vocabulary)"
+        features, kind = module.num_embeddings, "rows (its vocabulary)"
     if features % size != 0:
-        return [f"'{name}' has {features} {kind} features, not divisible by {size}"]
+        return [f"'{name}' has {features} {kind}, not divisible by {size}"]
     return []
 
 

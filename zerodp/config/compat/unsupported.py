@@ -182,12 +182,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         _is(False),
     ),
     Unsupported(
-        "tensor_parallel.kernel_inject",
-        "DeepSpeed's inference kernels",
-        "set it to false (zerodp trains the model's own modules)",
-        _is(False),
-    ),
-    Unsupported(
         "tensor_parallel.vocab_parallel_lm_head",
         "a vocabulary-parallel loss, or choosing the lm_head's split apart from the plan",
         "remove it (null): lm_head is split as the model's plan says (colwise_gather_output: "
