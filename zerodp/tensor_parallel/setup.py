@@ -21,6 +21,7 @@ from zerodp.comm import Comm, broadcast_tensors
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config.tensor_parallel import TensorParallelConfig
 from zerodp.errors import ConfigError
+from zerodp.parallel import TENSOR
 from zerodp.tensor_parallel.checks import ReplicaCheck, SameBatchCheck
 from zerodp.tensor_parallel.communication import TensorGroup
 from zerodp.tensor_parallel.plan import read_plan
@@ -86,7 +87,7 @@ class TensorParallelism:
         verify_each_step: bool,
     ) -> None:
         self.split = split
-        tensor_ranks = comms.dims.own_group("tensor")
+        tensor_ranks = comms.dims.own_group(TENSOR)
         self.batch_check = SameBatchCheck(split.group, comms.world, tensor_ranks)
         self.replica_check = ReplicaCheck(split.group, comms.world, values)
         self.verify_each_step = verify_each_step
