@@ -81,6 +81,10 @@ def test_deepspeeds_keys_are_honoured_or_refused_by_name() -> None:
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
             "offload_param.device 'cpu'",
         ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+            "offload_optimizer.device 'cpu'",
+        ),
         ({"compile": {"enabled": True}}, "compile.enabled"),
         ({"eigenvalue": {"enabled": True}}, "eigenvalue.enabled"),
     ],
