@@ -1,7 +1,8 @@
 """Tensor parallelism side by side: zerodp, FSDP2 + DTensor TP and DeepSpeed's AutoTP.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 \\
-        bench/tensor_parallel.py [--tensor 2] [--steps 8] [--engines zerodp,fsdp2,deepspeed]
+        bench/tensor_parallel.py [--tensor 2] [--steps 8] [--repeats 3] \\
+        [--engines zerodp,fsdp2,deepspeed]
 
 Backs the table in docs/tensor-parallel.md. One run, one model, one mesh: world = T x D
 (default T = 2, D = world / T), ranks d*T .. d*T+T-1 a tensor group. The model is the tests'
@@ -17,7 +18,8 @@ Per engine, against the reference: the largest difference of the weights after t
 step (zerodp and FSDP2: whole tensors; DeepSpeed: each rank's slices against the same slices
 of the reference, the largest over ranks), of every loss, and of every step's global norm;
 the fastest step (forward, backward, step; of the steps after the first, on the slowest
-rank: the least disturbed by other work on a shared machine);
+rank, over `--repeats` runs of every engine in turn: the least disturbed by other work on a
+shared machine);
 model-state bytes per rank (parameters, gradients, optimizer state, after the last step;
 zerodp's `engine.model_state_bytes()`, FSDP2's local shards; DeepSpeed's are in its own flat
 buffers, not counted); each time as a multiple of zerodp's at the same ZeRO stage (FSDP2
@@ -251,6 +253,20 @@ def run_deepspeed(
     return row
 
 
+def merged(first: Row, again: Row) -> Row:
+    """Two repeats of one engine: the faster step time, the larger differences."""
+    return Row(
+        first.engine,
+        first.stage,
+        weights=max(first.weights, again.weights),
+        losses=max(first.losses, again.losses),
+        norms=max(first.norms, again.norms),
+        seconds=min(first.seconds, again.seconds),
+        state_bytes=first.state_bytes,
+        note=first.note,
+    )
+
+
 def table(rows: list[Row], header: str) -> str:
     base = {r.stage: r.seconds for r in rows if r.engine == "zerodp"}
     lines = [
@@ -275,6 +291,7 @@ def main() -> None:
     parser.add_argument("--tensor", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engines", default="zerodp,fsdp2,deepspeed")
     args = parser.parse_args()
     engines = args.engines.split(",")
@@ -291,12 +308,15 @@ def main() -> None:
     args.data_index = dist.get_rank() // args.tensor
     reference, expected = reference_run(args.steps, args.data)
     rows: list[Row] = []
-    if "zerodp" in engines:
-        rows += [run_zerodp(s, args, reference, expected) for s in args.stages]
-    if "fsdp2" in engines:
-        rows.append(run_fsdp2(args, reference, expected))
-    if missing is None:
-        rows += [run_deepspeed(s, args, reference, expected) for s in args.stages]
+    for _ in range(args.repeats):
+        runs: list[Row] = []
+        if "zerodp" in engines:
+            runs += [run_zerodp(s, args, reference, expected) for s in args.stages]
+        if "fsdp2" in engines:
+            runs.append(run_fsdp2(args, reference, expected))
+        if missing is None:
+            runs += [run_deepspeed(s, args, reference, expected) for s in args.stages]
+        rows = runs if not rows else [merged(a, b) for a, b in zip(rows, runs, strict=True)]
     versions = f"torch {torch.__version__}"
     if missing is None:
         versions += f", DeepSpeed {deepspeed.__version__}"
@@ -304,7 +324,7 @@ def main() -> None:
         versions += f", DeepSpeed skipped ({missing})"
     header = (
         f"World {dist.get_world_size()} = T {args.tensor} x D {args.data}, "
-        f"{dist.get_backend()}, {args.steps} fp32 AdamW steps, {versions}"
+        f"{dist.get_backend()}, {args.steps} fp32 AdamW steps, {args.repeats} repeats, {versions}"
     )
     if dist.get_rank() == 0:
         print(table(rows, header))
