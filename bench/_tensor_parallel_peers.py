@@ -26,7 +26,8 @@ ROW = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def fsdp2_tensor_parallel(model: nn.Module, data: int, tensor: int, device: torch.device) -> Any:
-    """torchtitan's 2-D recipe: `parallelize_module` on each decoder layer over the "tp" mesh
+    """2-D parallelism as torchtitan composes it (without its sequence-parallel norms and
+    loss-parallel head): `parallelize_module` on each decoder layer over the "tp" mesh
     dimension (q/k/v, gate, up column-wise; o, down row-wise; the tied embeddings and the norms
     whole), then `fully_shard` on each layer and on the root over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh

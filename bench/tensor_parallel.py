@@ -27,9 +27,10 @@ against stage 3) measured in the same run.
 
 - `zerodp` runs `"tensor_parallel": {"autotp_size": T}` at ZeRO stages 1-3: the HF plan the
   model carries.
-- `fsdp2` runs torchtitan's 2-D recipe (`bench/_tensor_parallel_peers.py`): DTensor's
-  ColwiseParallel / RowwiseParallel on each decoder layer over the mesh's "tp" dimension,
-  `fully_shard` over "dp" (sharded as at ZeRO-3); embeddings and norms whole.
+- `fsdp2` runs 2-D parallelism as torchtitan composes it (`bench/_tensor_parallel_peers.py`,
+  without its sequence-parallel norms): DTensor's ColwiseParallel / RowwiseParallel on each
+  decoder layer over the mesh's "tp" dimension, `fully_shard` over "dp" (sharded as at
+  ZeRO-3); embeddings and norms whole.
 - `deepspeed` runs DeepSpeed (0.19.8 measured) with `"tensor_parallel": {"autotp_size": T}` at
   ZeRO stages 1-3, torch's AdamW built by DeepSpeed on the split parameters, its comm op
   build skipped as in bench/_deepspeed.py. Skipped, with a note, when it does not import.
