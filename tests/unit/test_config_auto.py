@@ -44,16 +44,16 @@ def test_batch_sizes_from_the_data_loader() -> None:
     assert b.gradient_accumulation_steps == 1
 
 
-def test_train_batch_size_is_micro_times_accumulation_times_world() -> None:
-    out = resolve_auto(
-        {
-            "train_batch_size": "auto",
-            "train_micro_batch_size_per_gpu": 3,
-            "gradient_accumulation_steps": 5,
-        },
-        AutoHints(world_size=4),
-    )
-    assert out["train_batch_size"] == 60
+def test_train_batch_size_is_micro_times_accumulation_times_data_ranks() -> None:
+    auto = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 5,
+    }
+    assert load_config(auto, 4, hints=AutoHints(world_size=4)).train_batch_size == 60
+    # Two tensor-parallel ranks share each batch: 4 ranks are 2 data ranks.
+    tensor = {**auto, "tensor_parallel": {"autotp_size": 2}}
+    assert load_config(tensor, 4, hints=AutoHints(world_size=4)).train_batch_size == 30
 
 
 def test_accumulation_from_the_other_two() -> None:

@@ -262,7 +262,7 @@ def test_bias_correction_picks_torch_s_adam_or_the_uncorrected_one() -> None:
         ({"nebula": {"enabled": True}}, "the Nebula checkpoint service"),
         ({"checkpoint": {"use_node_local_storage": True}}, "node-local checkpoint storage"),
         ({"amp": {"enabled": True, "opt_level": "O1"}}, "NVIDIA Apex AMP"),
-        ({"tensor_parallel": {"autotp_size": 4}}, "tensor parallelism (AutoTP)"),
+        ({"tensor_parallel": {"autotp_size": 1, "preset_model": "llama"}}, "DeepSpeed's AutoTP"),
         ({"wandb": {"enabled": True}}, "the WandB monitor"),
         ({"gradient_allreduce_op": "sum"}, "un-averaged (sum) gradient reduction"),
         ({"optimizer": {"type": "Lamb"}}, "the LAMB optimizer"),
@@ -290,7 +290,7 @@ def test_not_implemented_names_the_feature_and_what_to_do(
         ({"hybrid_engine": {"enabled": False, "max_out_tokens": 512}}, "hybrid_engine: off"),
         ({"autotuning": {"enabled": False}}, "autotuning: off"),
         ({"zero_optimization": {"zero_quantized_weights": False}}, "zero_quantized_weights: off"),
-        ({"tensor_parallel": {"autotp_size": 1}}, "tensor_parallel: off"),
+        ({"tensor_parallel": {"tp_overlap_comm": False}}, "tensor_parallel.tp_overlap_comm: "),
         ({"compression_training": {"layer_reduction": {"enabled": False}}}, "compression"),
     ],
 )

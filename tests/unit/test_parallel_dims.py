@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from zerodp.errors import ConfigError
-from zerodp.parallel import REPLICA, SECONDARY, SEQUENCE, SHARD, TENSOR, ParallelDims
+from zerodp.parallel import REPLICA, SECONDARY, SEQUENCE, SHARD, SLICE, TENSOR, WORLD, ParallelDims
 
 # (world, mics shard size or -1, sequence, tensor, hpZ)
 MESHES = [
@@ -45,6 +45,7 @@ def _expected_group(dims: ParallelDims, rank: int, label: str) -> list[int]:
         SEQUENCE: {2},
         SHARD: {1, 2},  # a shard group spans its data and sequence ranks
         REPLICA: {0},
+        SLICE: {0, 1, 2},  # every rank with the same tensor rank: the same values
     }[label]
     return [
         other
@@ -68,7 +69,7 @@ def test_groups_follow_the_mesh(world: int, shard: int, seq: int, tensor: int, h
             tensor_size=tensor,
             secondary_size=hpz,
         )
-        for label in (TENSOR, SEQUENCE, SHARD, REPLICA):
+        for label in (TENSOR, SEQUENCE, SHARD, REPLICA, SLICE):
             groups = dims.groups_of(label)
             assert sorted(itertools.chain(*groups)) == list(range(world)), label
             assert dims.own_group(label) == _expected_group(dims, rank, label), (label, rank)
@@ -81,6 +82,22 @@ def test_groups_follow_the_mesh(world: int, shard: int, seq: int, tensor: int, h
         if hpz > 1:
             secondary = dims.own_group(SECONDARY)
             assert set(secondary) <= set(dims.own_group(SHARD)) and len(secondary) == hpz
+
+
+def test_the_ranks_holding_the_same_values_are_the_slice_group() -> None:
+    """Rule 4: without tensor parallelism every rank holds the same values; with it, the
+    ranks of one tensor rank (a shard group and its replicas) do, and a checkpoint's
+    shards of tensor rank t live on that tensor rank's shard groups."""
+    assert ParallelDims.build(4, 1).same_values_label() == WORLD
+    dims = ParallelDims.build(8, 5, shard_size=2, tensor_size=2)
+    assert dims.same_values_label() == SLICE
+    assert dims.own_group(SLICE) == [1, 3, 5, 7]
+    assert dims.shard_group_ranks(0, 1) == [1, 3] and dims.shard_group_ranks(1, 0) == [4, 6]
+    assert dims.own_group(SHARD) == dims.shard_group_ranks(dims.replica_index, 1)
+    # T over every rank: each shard group is one rank, and still a group of its own.
+    alone = ParallelDims.build(2, 0, tensor_size=2)
+    assert alone.shard_size == 1 and alone.needs_group(SHARD) and not alone.needs_group(SLICE)
+    assert not ParallelDims.build(4, 0).needs_group(SHARD)
 
 
 def test_tensor_and_sequence_groups_are_consecutive_ranks() -> None:

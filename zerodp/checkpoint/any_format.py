@@ -36,6 +36,13 @@ def load_any_checkpoint(
             f"ranks see different checkpoints under '{load_dir}' ({sorted(set(map(str, seen)))}); "
             "put it on storage every rank reads alike"
         )
+    if files is not None and subject.tensor_size > 1:
+        raise CheckpointError(
+            f"'{files.folder}' is a DeepSpeed checkpoint; loading one into an engine with "
+            f"tensor_parallel.autotp_size {subject.tensor_size} is not implemented: load it at "
+            "autotp_size 1, save the weights (engine.save_16bit_model), and load those with "
+            "engine.load_state_dict() into the tensor-parallel engine"
+        )
     if files is not None:
         return load_deepspeed_checkpoint(subject, files, options)
     path, client = load_checkpoint(subject, load_dir, options)

@@ -3,8 +3,9 @@
 The result loads into the plain model with `load_state_dict(strict=True)`:
 every key of the model's state dict is present, tied parameters under each
 of their names, values in fp32 (from the fp32 master weights when the run
-used mixed precision). Written as safetensors when the output ends in
-`.safetensors` (and safetensors is installed), else with `torch.save`.
+used mixed precision), tensor-parallel slices joined into whole tensors.
+Written as safetensors when the output ends in `.safetensors` (and
+safetensors is installed), else with `torch.save`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zerodp.checkpoint import checksums, integrity, json_state, schema
+from zerodp.checkpoint import checksums, integrity, json_state, schema, tensor_slices
 from zerodp.checkpoint.destinations import check_kinds
 from zerodp.checkpoint.paths import check_load_source
 from zerodp.checkpoint.safe_metadata import METADATA_FILE, SafeReader
@@ -54,11 +55,13 @@ def _full_state_dict(
         for name in sorted(chunks):
             checksums.check_data_file(path, name, chunks[name], manifest)
     saved = integrity.saved_keys(metadata)
+    slices_of = tensor_slices.saved_size(shared)
+    split_dims = shared[tensor_slices.KEY]["slices"] if slices_of > 1 else {}
     wanted: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, info in shared["params"].items():
         source = f"master.{name}" if f"master.{name}" in saved else f"model.{name}"
-        numel = int(torch.Size(info["shape"]).numel())
+        numel = int(torch.Size(info["shape"]).numel()) * (slices_of if name in split_dims else 1)
         wanted[source] = torch.empty(numel, dtype=torch.float32)
         sources[name] = source
     for name in shared["buffers"]:
@@ -73,7 +76,12 @@ def _full_state_dict(
     for key in shared["state_dict_keys"]:
         name = shared["tied"].get(key, key)
         if name in sources:
-            out[key] = wanted[sources[name]].view(shared["params"][name]["shape"])
+            shape = shared["params"][name]["shape"]
+            value = wanted[sources[name]]
+            if name in split_dims:
+                out[key] = tensor_slices.join_slices(value, shape, split_dims[name], slices_of)
+            else:
+                out[key] = value.view(shape)
         elif f"buffer.{key}" in wanted:
             out[key] = wanted[f"buffer.{key}"]
     return out

@@ -29,9 +29,9 @@ def fresh_tensors(saved: dict[str, TensorStorageMetadata], prefix: str) -> dict[
 
 def model_destinations(subject: CheckpointSubject, saved: dict[str, Any]) -> dict[str, Any]:
     """Where the saved values go: fp32 values (masters, when saved) into the fp32 copies."""
-    first_rank = subject.shard_group_first_rank
-    model = tensors.model_tensors(subject, first_rank)
-    masters = tensors.master_tensors(subject, first_rank)
+    places = subject.places(saving=False)
+    model = tensors.model_tensors(subject, places)
+    masters = tensors.master_tensors(subject, places)
     destinations: dict[str, Any] = {}
     for key, tensor in model.items():
         if not key.startswith("model."):
@@ -63,7 +63,7 @@ def optimizer_destinations(
     }
     if not saved_optim:
         return {}
-    wanted = tensors.optimizer_tensors(subject, planned, subject.shard_group_first_rank)
+    wanted = tensors.optimizer_tensors(subject, subject.places(saving=False), planned)
     missing = sorted(set(wanted) - saved_optim)
     unexpected = sorted(saved_optim - set(wanted))
     if missing or unexpected:

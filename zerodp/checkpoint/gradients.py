@@ -61,6 +61,9 @@ def describe(subject: CheckpointSubject) -> dict[str, Any] | None:
 def gradient_tensors(subject: CheckpointSubject) -> dict[str, Any]:
     """This rank's part of every kept gradient, keyed as the module docstring says."""
     rank = subject.comm.rank
+    # A replica's partial average is its own (each replica writes its own key); the rest is
+    # written by the first replica.
+    own, first = subject.places(saving=False), subject.places(saving=True)
     out: dict[str, Any] = {}
     for entry in param_entries(subject):
         state = entry.state
@@ -72,10 +75,9 @@ def gradient_tensors(subject: CheckpointSubject) -> dict[str, Any]:
             out[f"{LOCAL}{rank}.{entry.name}"] = kept.storage[start:end]
         elif kept.sync is GradSync.PARTIAL:
             key = f"{PARTIAL}{subject.replica_index}.{entry.name}"
-            first_rank = subject.shard_group_first_rank
-            out[key] = as_entry(kept.owned(), state, entry.position, first_rank)
+            out[key] = as_entry(kept.owned(), state, entry.position, own)
         else:
-            out[f"{AVERAGED}{entry.name}"] = as_entry(kept.owned(), state, entry.position)
+            out[f"{AVERAGED}{entry.name}"] = as_entry(kept.owned(), state, entry.position, first)
     return out
 
 
@@ -158,7 +160,9 @@ def plan_load(
             if owned is None:
                 owned = fresh[state] = torch.zeros_like(kept.owned())
                 plan.steps.append(_put_averaged(state, owned))
-            plan.destinations[averaged_key] = as_entry(owned, state, entry.position)
+            plan.destinations[averaged_key] = as_entry(
+                owned, state, entry.position, subject.places(saving=False)
+            )
         elif all(key in saved for key in local_keys):
             numel = state.flat.layout.slots[entry.position].numel
             if same_layout:
@@ -200,8 +204,8 @@ def _plan_partial(
         if own is None:
             own = plan.own_partial[state] = torch.zeros_like(kept.owned())
             plan.steps.append(_put_partial(state, own))
-        first_rank = subject.shard_group_first_rank
-        plan.destinations[keys[subject.replica_index]] = as_entry(own, state, position, first_rank)
+        places = subject.places(saving=False)
+        plan.destinations[keys[subject.replica_index]] = as_entry(own, state, position, places)
         return
     numel = state.flat.layout.slots[position].numel
     averages = [torch.zeros(numel, dtype=torch.float32) for _ in keys]

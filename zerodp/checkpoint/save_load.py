@@ -32,6 +32,7 @@ from zerodp.checkpoint import (
     integrity,
     json_state,
     schema,
+    tensor_slices,
     tensors,
 )
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
@@ -73,8 +74,12 @@ def save_checkpoint(
             else f"global_step{subject.counters.state_dict()['global_steps']}"
         )
         client_json = to_jsonable({} if client_state is None else client_state, client_tensors)
+        tensor_slices.check_can_save(subject)
         shared = json_state.shared_state(subject, client_json)
         shared["gradients"] = gradients.describe(subject)
+        tp = tensor_slices.describe(subject)
+        if tp is not None:
+            shared[tensor_slices.KEY] = tp
         json.dumps(shared, allow_nan=True)
     except _FAILURES as caught:
         error = caught
@@ -115,10 +120,11 @@ def _write(
     written: list[Any] = []
 
     def write_tensors() -> None:
+        places = subject.places(saving=True)
         state: dict[str, Any] = {
-            **tensors.model_tensors(subject),
-            **tensors.master_tensors(subject),
-            **tensors.optimizer_tensors(subject),
+            **tensors.model_tensors(subject, places),
+            **tensors.master_tensors(subject, places),
+            **tensors.optimizer_tensors(subject, places),
             **tensors.rng_tensors(comm.rank),
         }
         if shared.get("gradients") is not None:
@@ -232,6 +238,7 @@ def load_checkpoint(
         schema.check_shared_state(shared)
         metadata = read_metadata(path)
         integrity.check_files(path, metadata)
+        tensor_slices.check_matches(subject, shared)
         integrity.check_model(subject.module, shared)
         saved = integrity.saved_keys(metadata)
         if manifest is not None:

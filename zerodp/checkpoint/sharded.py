@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zerodp.checkpoint.subject import ShardPlaces
 from zerodp.partition import FlatGroup
 
 
@@ -45,20 +46,34 @@ class Piece:
     length: int
 
 
-def pieces_of(group: FlatGroup, position: int, first_rank: int = 0) -> list[Piece]:
+def pieces_of(
+    group: FlatGroup, position: int, places: ShardPlaces, sliced: bool = False
+) -> list[Piece]:
     """Which rank holds which part of parameter `position` of `group`'s shards.
 
-    The shards are those of the shard group whose first rank is `first_rank` (0: every
-    rank's group without shard groups; see [Note: shard groups]). A save describes the
-    first shard group's shards, so each is written once, not by every replica; a load
-    describes the rank's own, so every replica reads.
+    The shards are those of the shard groups `places` names (a save describes the first
+    replica's, so each shard is written once; a load the rank's own, so every replica
+    reads). A tensor-parallel slice (`sliced`) is part t of a tensor of `num_slices`
+    slices: each slice's shards are described, at its offset.
     """
+    numel = group.layout.slots[position].numel
+    slices = range(places.num_slices) if sliced else [places.whole]
     found = []
-    for rank in range(group.layout.world_size):
-        overlap = group.layout.overlap(position, rank)
-        if overlap is not None:
-            found.append(Piece(first_rank + rank, overlap.param_start, overlap.numel))
+    for index, t in enumerate(slices):
+        offset = index * numel if sliced else 0
+        ranks = places.groups[t]
+        for place in range(group.layout.world_size):
+            overlap = group.layout.overlap(position, place)
+            if overlap is not None:
+                found.append(Piece(ranks[place], offset + overlap.param_start, overlap.numel))
     return found
+
+
+def slice_pieces(numel: int, places: ShardPlaces) -> list[Piece]:
+    """A tensor-parallel slice every rank of a shard group holds whole (stage 0, persistent
+    groups, parameters no group manages): slice t of `num_slices`, held by the rank at
+    `places.place` of group t."""
+    return [Piece(ranks[places.place], t * numel, numel) for t, ranks in enumerate(places.groups)]
 
 
 def sharded_1d(

@@ -10,8 +10,8 @@ check every piece before it changes any.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 from zerodp.comm import Comm
 from zerodp.group import GroupIndex
+from zerodp.parallel import ParallelDims
 
 
 class Stateful(Protocol):
@@ -86,8 +87,42 @@ class CheckpointSubject:
     # which one this rank is in. The first writes the shards; each rank reads its own.
     num_replicas: int = 1
     replica_index: int = 0
+    # The parallel dimensions (None: the world is one shard group), and with tensor
+    # parallelism the parameters that are slices: every name (tied ones too) -> split dim.
+    dims: ParallelDims | None = None
+    tensor_slices: Mapping[str, int] = field(default_factory=dict)
 
     @property
-    def shard_group_first_rank(self) -> int:
-        """The first rank of this rank's shard group (where its loads' shards lie)."""
-        return self.replica_index * (self.comm.world_size // self.num_replicas)
+    def tensor_size(self) -> int:
+        return 1 if self.dims is None else self.dims.tensor_size
+
+    def places(self, *, saving: bool) -> ShardPlaces:
+        """Where the shards a checkpoint tensor describes live (see `ShardPlaces`): a save
+        describes the first replica's (each shard written once), a load this rank's own."""
+        dims = self.dims or ParallelDims.build(self.comm.world_size, self.comm.rank)
+        replica = 0 if saving else dims.replica_index
+        groups = tuple(tuple(dims.shard_group_ranks(replica, t)) for t in range(dims.tensor_size))
+        if saving:
+            return ShardPlaces(groups, whole=0, place=0)
+        return ShardPlaces(groups, whole=dims.tensor_rank, place=dims.shard_rank)
+
+
+@dataclass(frozen=True)
+class ShardPlaces:
+    """Which world rank holds each part of a checkpoint tensor, as DCP's metadata says.
+
+    `groups[t]`: the world ranks of the shard group of tensor rank t, in shard order (one
+    group without tensor parallelism). A parameter left whole is described by
+    `groups[whole]`'s shards. A tensor-parallel slice is saved as part t of a tensor of T
+    slices (slice t at offset t x its size), each slice by its own group; a value every
+    rank of a shard group holds whole (stage 0, a persistent group) by the rank at
+    `place` of each group.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    whole: int = 0
+    place: int = 0
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.groups)

@@ -10,7 +10,10 @@ DCP as a shard of a ShardedTensor (`zerodp.checkpoint.sharded`). Replicated
 values (stage 0, persistent groups, buffers) are plain tensors, which DCP
 writes once. With shard groups that replicate each other, the first shard
 group writes the shards (once, not once per replica) and every rank reads its
-own: `first_rank` says whose shards a ShardedTensor describes. The state of a
+own: `ShardPlaces` says whose shards a ShardedTensor describes. With tensor
+parallelism a parameter that is a slice is saved as one tensor of T slices
+(slice t at offset t x its size: the keys and sizes stay those of one layout
+per T), a parameter left whole as above, from tensor rank 0's groups. The state of a
 parameter an optimizer steps whole (Muon's momentum, Adafactor's row and
 column moments; see `zerodp.optim.tensorwise`) is saved in its own shape by
 the rank that holds it (every rank at stage 0, written once). DCP reshards on
@@ -31,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.checkpoint.sharded import ShardedTensor, pieces_of, sharded_1d
-from zerodp.checkpoint.subject import CheckpointSubject
+from zerodp.checkpoint.sharded import ShardedTensor, pieces_of, sharded_1d, slice_pieces
+from zerodp.checkpoint.subject import CheckpointSubject, ShardPlaces
 from zerodp.group import GroupState
 
 
@@ -42,15 +45,28 @@ class ParamEntry:
     param: nn.Parameter
     state: GroupState | None  # None: not managed (frozen at stages 0-2)
     position: int
+    sliced: bool = False  # a tensor-parallel slice
 
 
 def param_entries(subject: CheckpointSubject) -> Iterator[ParamEntry]:
     for name, param in subject.module.named_parameters():
+        sliced = name in subject.tensor_slices
         found = subject.groups.lookup(param)
         if found is None:
-            yield ParamEntry(name, param, None, -1)
+            yield ParamEntry(name, param, None, -1, sliced)
         else:
-            yield ParamEntry(name, param, found[0], found[1])
+            yield ParamEntry(name, param, found[0], found[1], sliced)
+
+
+def whole_entry(
+    value: torch.Tensor, places: ShardPlaces, sliced: bool
+) -> torch.Tensor | ShardedTensor:
+    """A value every rank of a shard group holds whole: a plain (replicated) tensor, or a
+    tensor-parallel slice of a tensor of T slices."""
+    if not sliced:
+        return value
+    pieces = slice_pieces(value.numel(), places)
+    return sharded_1d(value, value.numel() * places.num_slices, pieces, value.dtype)
 
 
 def owned_chunk(owned: torch.Tensor, state: GroupState, position: int) -> torch.Tensor | None:
@@ -66,63 +82,69 @@ def owned_chunk(owned: torch.Tensor, state: GroupState, position: int) -> torch.
 
 
 def as_entry(
-    owned: torch.Tensor, state: GroupState, position: int, first_rank: int = 0
+    owned: torch.Tensor, state: GroupState, position: int, places: ShardPlaces
 ) -> torch.Tensor | ShardedTensor:
     """The checkpoint tensor for one parameter's part of a tensor covering the owned range
-    (the shards of the shard group whose first rank is `first_rank`)."""
+    (the shards of the shard groups `places` names)."""
     flat = state.flat
+    sliced = flat.tensor_split
     if flat.owns_full:  # every rank owns the whole group: a replicated value
         start, end = flat.slot_of(position)
-        return owned[start:end]
-    slot = flat.layout.slots[position]
+        return whole_entry(owned[start:end], places, sliced)
+    numel = flat.layout.slots[position].numel
     return sharded_1d(
         owned_chunk(owned, state, position),
-        slot.numel,
-        pieces_of(flat, position, first_rank),
+        numel * (places.num_slices if sliced else 1),
+        pieces_of(flat, position, places, sliced),
         owned.dtype,
     )
 
 
-def model_tensors(subject: CheckpointSubject, first_rank: int = 0) -> dict[str, Any]:
+def model_tensors(subject: CheckpointSubject, places: ShardPlaces) -> dict[str, Any]:
     """`model.<name>` for every parameter, `buffer.<name>` for every buffer."""
     out: dict[str, Any] = {}
     for entry in param_entries(subject):
         state = entry.state
         if state is None:
-            out[f"model.{entry.name}"] = entry.param.data.view(-1)
+            out[f"model.{entry.name}"] = whole_entry(
+                entry.param.data.view(-1), places, entry.sliced
+            )
         elif not state.persistent:  # stage 3: only the shard exists
             flat = state.flat
             overlap = flat.layout.overlap(entry.position, flat.rank)
             chunk = None if overlap is None else flat.shard[overlap.shard_start : overlap.shard_end]
+            numel = flat.layout.slots[entry.position].numel
             out[f"model.{entry.name}"] = sharded_1d(
                 chunk,
-                flat.layout.slots[entry.position].numel,
-                pieces_of(flat, entry.position, first_rank),
+                numel * (places.num_slices if flat.tensor_split else 1),
+                pieces_of(flat, entry.position, places, flat.tensor_split),
                 flat.dtype,
             )
         else:
             start, end = state.flat.slot_of(entry.position)
-            out[f"model.{entry.name}"] = state.flat.full[start:end]
+            out[f"model.{entry.name}"] = whole_entry(
+                state.flat.full[start:end], places, state.flat.tensor_split
+            )
     for name, buffer in subject.module.named_buffers():
         out[f"buffer.{name}"] = buffer
     return out
 
 
-def master_tensors(subject: CheckpointSubject, first_rank: int = 0) -> dict[str, Any]:
+def master_tensors(subject: CheckpointSubject, places: ShardPlaces) -> dict[str, Any]:
     """`master.<name>`: the optimizer copies (fp32 masters), sharded like the optimizer state."""
     out: dict[str, Any] = {}
     for entry in param_entries(subject):
         state = entry.state
         if state is None or state.optim is None or state.optim.copy is None:
             continue
-        out[f"master.{entry.name}"] = as_entry(state.optim.copy, state, entry.position, first_rank)
+        out[f"master.{entry.name}"] = as_entry(state.optim.copy, state, entry.position, places)
     return out
 
 
 def optimizer_tensors(
     subject: CheckpointSubject,
+    places: ShardPlaces,
     planned: dict[nn.Parameter, dict[str, torch.Tensor]] | None = None,
-    first_rank: int = 0,
 ) -> dict[str, Any]:
     """`optim.<name>.<key>`: per-element state sharded like the masters; scalar state replicated;
     the state of a parameter stepped whole, whole, from the rank that holds it.
@@ -153,7 +175,7 @@ def optimizer_tensors(
                 continue
             fqn = f"optim.{entry.name}.{key}"
             if value.numel() == owned.numel() and value.dim() == 1:
-                out[fqn] = as_entry(value, state, entry.position, first_rank)
+                out[fqn] = as_entry(value, state, entry.position, places)
             else:
                 out[fqn] = value
     return out

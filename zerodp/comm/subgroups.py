@@ -33,7 +33,16 @@ from zerodp.comm.topology import (
     nodes_from_views,
 )
 from zerodp.errors import ConfigError, ConfigWarning
-from zerodp.parallel import LABELS, REPLICA, SECONDARY, SEQUENCE, SHARD, TENSOR, ParallelDims
+from zerodp.parallel import (
+    LABELS,
+    REPLICA,
+    SECONDARY,
+    SEQUENCE,
+    SHARD,
+    SLICE,
+    TENSOR,
+    ParallelDims,
+)
 
 WITHIN_NODE = "within a node"
 ACROSS_NODES = "across nodes"
@@ -47,7 +56,8 @@ class GroupComms:
     `Comm` itself when sharding over all ranks); `replica` averages gradients across
     shard groups at the accumulation boundary (None without replicas); `secondary` is
     hpZ's group, `sequence` and `tensor` the sequence- and tensor-parallel groups (None
-    where that dimension has one rank). What each group's reductions are divided by,
+    where that dimension has one rank), `slice` the ranks holding the same parameter
+    values when tensors are split (None otherwise). What each group's reductions are divided by,
     and which groups a norm is summed over, is for `dims` to say (see [Note: parallel
     dimensions] in `zerodp.parallel.dims`).
     """
@@ -60,11 +70,12 @@ class GroupComms:
     secondary: Comm | None = None
     sequence: Comm | None = None
     tensor: Comm | None = None
+    slice: Comm | None = None
 
     @property
     def subgroups(self) -> list[Comm]:
         """The `Comm`s over groups other than the default one."""
-        found = [self.shard, self.replica, self.secondary, self.sequence, self.tensor]
+        found = [self.shard, self.replica, self.secondary, self.sequence, self.tensor, self.slice]
         return [c for c in found if c is not None and c is not self.world]
 
     def of(self, label: str) -> Comm | None:
@@ -75,6 +86,7 @@ class GroupComms:
             SECONDARY: self.secondary,
             SEQUENCE: self.sequence,
             TENSOR: self.tensor,
+            SLICE: self.slice,
         }.get(label, self.world)
 
     def crosses_nodes(self, label: str) -> bool:
@@ -156,6 +168,8 @@ def group_comms(
     for label in LABELS:
         if dims.needs_group(label):
             made[label] = Comm(_own_group(dims, label, timeout), label=label, parent=world)
+        elif label != SECONDARY and dims.group_size(label) == world_size > 1:
+            made[label] = world  # the group is every rank (tensor parallelism over all of them)
     return GroupComms(
         dims,
         node_size,
@@ -165,6 +179,7 @@ def group_comms(
         secondary=made.get(SECONDARY),
         sequence=made.get(SEQUENCE),
         tensor=made.get(TENSOR),
+        slice=made.get(SLICE),
     )
 
 

@@ -107,10 +107,8 @@ def _batch_sizes(out: dict[str, Any], hints: AutoHints, problems: list[str]) -> 
         del out[key]
     if _MICRO in autos and hints.micro_batch_size is not None:
         out[_MICRO] = hints.micro_batch_size
-    if _TRAIN in autos and _is_int(out.get(_MICRO)) and hints.world_size is not None:
-        gas = out.get(_GAS, 1)
-        if _is_int(gas):
-            out[_TRAIN] = out[_MICRO] * gas * hints.world_size
+    # An "auto" train_batch_size is left out: the batch arithmetic derives it from the
+    # micro batch, the accumulation and the data ranks (fewer than the world with TP).
     if _TRAIN not in out and _MICRO not in out:
         problems.append(
             f'{_keys(autos)} "auto", and zerodp cannot tell the micro-batch size: set '

@@ -1,4 +1,8 @@
-"""Batch-size arithmetic: train_batch_size = micro batch x accumulation steps x world size.
+"""Batch-size arithmetic: train_batch_size = micro batch x accumulation steps x data ranks.
+
+The data ranks are the ranks that read different samples: every rank, unless
+tensor parallelism makes T ranks share each batch (then world size / T, as
+DeepSpeed counts them when given an `mpu`).
 
 Kept apart from the models because it needs the world size, which is a fact
 about the launch, not about the config file, and because it is pure integer
@@ -31,14 +35,16 @@ def resolve_batch_sizes(
     train_micro_batch_size_per_gpu: int | None,
     gradient_accumulation_steps: int | None,
     world_size: int,
+    *,
+    ranks: str = "world size",
 ) -> BatchSizes:
     """Fill in whichever of the three sizes is missing, or check all three agree.
 
-    Any two determine the third. With only `train_batch_size`, accumulation is
-    1 and the micro batch is the per-rank share; with only the micro batch,
-    accumulation is 1.
+    `world_size` is the number of data ranks, `ranks` what the messages call it. Any
+    two determine the third. With only `train_batch_size`, accumulation is 1 and the
+    micro batch is the per-rank share; with only the micro batch, accumulation is 1.
     """
-    _check_positive("world size", world_size)
+    _check_positive(ranks, world_size)
     for name, value in (
         (_TRAIN, train_batch_size),
         (_MICRO, train_micro_batch_size_per_gpu),
@@ -56,20 +62,20 @@ def resolve_batch_sizes(
     if t is not None and m is not None and g is not None:
         if t != m * g * w:
             raise ConfigError(
-                f"{_TRAIN} {t} != {_MICRO} {m} x {_GAS} {g} x world size {w} = {m * g * w}; "
+                f"{_TRAIN} {t} != {_MICRO} {m} x {_GAS} {g} x {ranks} {w} = {m * g * w}; "
                 "fix one of the three"
             )
         return BatchSizes(t, m, g)
     if t is not None and m is not None:
-        g = _divide(t, m * w, f"{_MICRO} {m} x world size {w}", f"or change {_MICRO}")
+        g = _divide(t, m * w, f"{_MICRO} {m} x {ranks} {w}", f"or change {_MICRO}")
         return BatchSizes(t, m, g)
     if t is not None and g is not None:
-        m = _divide(t, g * w, f"{_GAS} {g} x world size {w}", f"or change {_GAS}")
+        m = _divide(t, g * w, f"{_GAS} {g} x {ranks} {w}", f"or change {_GAS}")
         return BatchSizes(t, m, g)
     if m is not None and g is not None:
         return BatchSizes(m * g * w, m, g)
     if t is not None:
-        m = _divide(t, w, f"world size {w}", f"or set {_MICRO} and {_GAS}")
+        m = _divide(t, w, f"{ranks} {w}", f"or set {_MICRO} and {_GAS}")
         return BatchSizes(t, m, 1)
     if m is not None:
         return BatchSizes(m * w, m, 1)

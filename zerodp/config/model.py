@@ -36,6 +36,11 @@ from zerodp.config.scheduler import (
     WarmupDecayLRParams,
     WarmupLRParams,
 )
+from zerodp.config.tensor_parallel import (
+    TensorParallelConfig,
+    composition_problems,
+    precision_mismatch,
+)
 from zerodp.errors import ConfigError
 
 # Re-exported: code outside the config package imports the sections from here.
@@ -50,6 +55,7 @@ __all__ = [
     "OptimizerConfig",
     "SGDParams",
     "SchedulerConfig",
+    "TensorParallelConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",
@@ -268,6 +274,7 @@ class ZeroDPConfig(Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
     comms_timeout_s: PosFloat | None = None  # None: $ZERODP_COMMS_TIMEOUT_S, else torch's default
     comms_stall_checks: Bool = True  # gloo: a wait that lasts hears failures, uneven inputs
@@ -285,6 +292,17 @@ class ZeroDPConfig(Section):
                     "half-precision mode; set one of them to false"
                 ),
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_composes(self) -> ZeroDPConfig:
+        tp = self.tensor_parallel
+        problems = composition_problems(self)
+        mismatch = precision_mismatch(tp, self.bf16.enabled, self.fp16.enabled)
+        if mismatch is not None:
+            problems.append(mismatch)
+        if problems:
+            raise SectionRuleError(("tensor_parallel",), lambda k: "; ".join(problems))
         return self
 
     @property

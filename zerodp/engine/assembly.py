@@ -39,6 +39,7 @@ from zerodp.engine.backward_wiring import ParamRuntime, build_backward
 from zerodp.engine.data_loader import ZeroDataLoader
 from zerodp.engine.model_groups import build_groups
 from zerodp.engine.optimizers import OptimizerBuild, build_optimizer
+from zerodp.engine.tensor_wiring import split_model, tensor_parallelism
 from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group import GroupIndex
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
@@ -54,6 +55,7 @@ from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
+from zerodp.tensor_parallel import TensorParallelism
 from zerodp.train_state import TrainState
 
 
@@ -92,6 +94,7 @@ class EngineParts:
     offload: OffloadPolicy
     offload_storage: OffloadStorage | None
     posttrain: PostTraining
+    tensor_parallel: TensorParallelism | None  # None: no tensor parallelism
 
 
 def assemble(
@@ -113,8 +116,11 @@ def assemble(
         comm,
         shard_size=zero.mics_shard_size,
         secondary_size=zero.zero_hpz_partition_size,
+        tensor_size=config.tensor_parallel.size,
         timeout=timeout,
     )
+    # Tensor parallelism splits the model before anything reads its parameters' shapes.
+    split = split_model(module, config, comms, device)
     strategy = strategy_for(zero.stage, across_replicas=comms.dims.hybrid)
     policy = precision_policy(config)
     decision = decide_mode(module, config.optimizer, user_optimizer)
@@ -141,6 +147,7 @@ def assemble(
         policy=policy,
         offload=offload,
         specs=specs,
+        tensor_split=frozenset() if split is None else frozenset(map(id, split.split_params)),
     )
     groups = model.groups
     train_state = TrainState()
@@ -178,6 +185,9 @@ def assemble(
         lr_scheduler=lr_scheduler,
     )
     optimizer = built.optimizer
+    tensor = tensor_parallelism(
+        module, config, comms, split, groups, steps_whole_tensors=built.tensorwise is not None
+    )
     posttrain = build_post_training(
         module=module,
         decision=decision,
@@ -189,6 +199,8 @@ def assemble(
     )
     # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
     handles: list[Removable] = [*backward.handles, *frozen, posttrain.offload]
+    if tensor is not None:
+        handles.append(tensor)
     return EngineParts(
         comm=comm,
         comms=comms,
@@ -230,6 +242,7 @@ def assemble(
         offload=offload,
         offload_storage=model.storage,
         posttrain=posttrain,
+        tensor_parallel=tensor,
     )
 
 

@@ -25,6 +25,7 @@ from zerodp.group import GroupIndex
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
+from zerodp.tensor_parallel import TensorParallelism
 from zerodp.train_state import TrainState
 
 
@@ -43,6 +44,7 @@ class CheckpointMethods:
     lr_scheduler: Any
     training_dataloader: ZeroDataLoader | None
     gate: StepGate
+    tensor_parallel: TensorParallelism | None
 
     config: ZeroDPConfig
     last_load_report: LoadReport | None  # what the last load_checkpoint restored
@@ -124,4 +126,10 @@ class CheckpointMethods:
             whole_tensors=self.optimizer.torch_optimizers.tensorwise,
             num_replicas=self.comms.dims.num_replicas,
             replica_index=self.comms.dims.replica_index,
+            dims=self.comms.dims,
+            tensor_slices=(
+                {}
+                if self.tensor_parallel is None
+                else {n: s.dim for n, s in self.tensor_parallel.split.names(self.module).items()}
+            ),
         )

@@ -112,6 +112,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.offload = parts.offload
         self._offload_storage = parts.offload_storage
         self.posttrain = parts.posttrain
+        self.tensor_parallel = parts.tensor_parallel  # None without tensor parallelism
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         self._guard = guards.ModuleGuard(module)
@@ -128,6 +129,8 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         if not autograd_api.in_backward():
             self._guard.check_forward()
             self.ensure_no_stale_backward()
+            if self.tensor_parallel is not None:  # the first forward's inputs, compared
+                self.tensor_parallel.on_forward_start(args, kwargs)
             self._announce_round(args, kwargs)  # inside engine.join() only
 
     def ensure_no_stale_backward(self) -> None:
@@ -240,6 +243,8 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
                 samples_after = state.global_samples + self.train_batch_size()
                 extra = self.eigenvalue.run_pending(state.global_steps, samples_after)
             self.optimizer.apply_step()
+            if self.tensor_parallel is not None:  # tensor_parallel.verify_replicated
+                self.tensor_parallel.after_step(state.global_steps + 1)
             if self.lr_scheduler is not None and not self.optimizer.last_step_skipped:
                 self.lr_scheduler.step()
             state.global_steps += 1

@@ -60,6 +60,7 @@ class JoinMethods(Joinable):
     comm: Comm
     device: torch.device
     reducer: GradientReducer
+    tensor_parallel: Any  # None without tensor parallelism
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError  # ZeroEngine's
@@ -86,6 +87,7 @@ class JoinMethods(Joinable):
         run out; see [Note: joining uneven inputs]. The same as torch's
         `Join([engine], ...)`, with DDP's arguments and defaults.
         """
+        self._refuse_join_with_tensor_parallelism()
         return Join(
             [self],
             enable=enable,
@@ -97,6 +99,7 @@ class JoinMethods(Joinable):
 
     def join_hook(self, **kwargs: Any) -> CallbackJoinHook:
         """What this rank does once out of batches (called by torch's `Join`)."""
+        self._refuse_join_with_tensor_parallelism()
         self._join_divide_by_initial_world_size = bool(
             kwargs.get("divide_by_initial_world_size", True)
         )
@@ -109,6 +112,17 @@ class JoinMethods(Joinable):
     @property
     def join_process_group(self) -> Any:
         return self.comm.group
+
+    def _refuse_join_with_tensor_parallelism(self) -> None:
+        """A shadow round of a tensor group would need every rank of the group to run out
+        at once; not built yet. Every rank calls join, so every rank raises."""
+        if self.tensor_parallel is not None:
+            raise UsageError(
+                "engine.join() with tensor_parallel.autotp_size > 1: joining uneven inputs "
+                "does not compose with tensor parallelism yet; give every rank the same "
+                "number of batches (the loader zerodp.initialize returns does), or set "
+                "autotp_size to 1"
+            )
 
     # -- rounds ------------------------------------------------------------------------
 

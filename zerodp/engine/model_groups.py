@@ -2,7 +2,9 @@
 
 1. parameters built sharded by `zero.Init` are adopted (or made whole again);
 2. every other parameter is laid out in flat groups (fp32 as built);
-3. parameters and buffers are taken from rank 0, as DDP does;
+3. parameters and buffers are taken from the first rank holding the same values
+   (rank 0, as DDP does; with tensor parallelism the first rank of each slice
+   group: rule 4 of [Note: parallel dimensions]);
 4. under mixed precision, the optimizer copy of each rank's owned range is
    kept in fp32 (the master weights), then the model is cast;
 5. each group gets its record (`GroupState`): kept gradient and optimizer
@@ -66,12 +68,14 @@ def build_groups(
     policy: PrecisionPolicy,
     offload: OffloadPolicy,
     specs: list[ParamGroupSpec],
+    tensor_split: frozenset[int] = frozenset(),
 ) -> ModelGroups:
+    """`tensor_split`: ids of the parameters that are tensor-parallel slices (their own groups)."""
     zero = config.zero_optimization
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
-    layout = _lay_out(module, config, comms.shard, device, strategy, specs)
-    _sync_from_rank0(module, layout, comms.world, device)
+    layout = _lay_out(module, config, comms.shard, device, strategy, specs, tensor_split)
+    _sync_from_first_rank(module, layout, comms.of(comms.dims.same_values_label()), device)
     storage = None
     if offload.offloads_optimizer or offload.offloads_params:
         check_offload_storage(layout.groups, offload, comms.world)
@@ -103,6 +107,7 @@ def _lay_out(
     device: torch.device,
     strategy: StageStrategy,
     specs: list[ParamGroupSpec],
+    tensor_split: frozenset[int],
 ) -> ModelLayout:
     zero = config.zero_optimization
     optimizer_group = {id(p): i for i, spec in enumerate(specs) for p in spec.params}
@@ -130,13 +135,16 @@ def _lay_out(
             max_block_numel=min(zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size),
         ),
         unit_excluded=set(leaf_modules(module)),
+        tensor_split=tensor_split,
     )
 
 
-def _sync_from_rank0(
-    module: nn.Module, layout: ModelLayout, comm: Comm, device: torch.device
+def _sync_from_first_rank(
+    module: nn.Module, layout: ModelLayout, comm: Comm | None, device: torch.device
 ) -> None:
-    """Every rank starts from rank 0's parameters and buffers, as with DDP."""
+    """Every rank starts from the parameters and buffers of the first rank of `comm`, the
+    ranks holding the same values (the world, as with DDP; a slice group with tensor
+    parallelism; None: this rank alone)."""
     managed = {id(p) for g in layout.groups for p in g.params}
     loose = []
     for param in module.parameters():
@@ -147,7 +155,8 @@ def _sync_from_rank0(
     loose += list(module.buffers())
     # Groups built sharded by zero.Init were taken from rank 0 already (and are empty now).
     resident = [g for g in layout.groups if g.full_is_allocated]
-    broadcast_tensors(comm, [g.full for g in resident] + loose)
+    if comm is not None:
+        broadcast_tensors(comm, [g.full for g in resident] + loose)
     for group in resident:
         group.take_shard_from_full()
 

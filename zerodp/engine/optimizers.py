@@ -68,6 +68,9 @@ def build_optimizer(
         torch_optimizers,
         reducer=backward.reducer,
         norm=NormReduction.of(comms, sharded=strategy.shards_optimizer_state),
+        split_norm=NormReduction.of(
+            comms, sharded=strategy.shards_optimizer_state, tensor_split=True
+        ),
         states=groups.trainable,
         params=backward.params,
         model_params=groups.params,

@@ -19,6 +19,7 @@ from zerodp.comm import Comm
 from zerodp.errors import LifecycleError
 from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group import GroupIndex, GroupState, ParamStatus
+from zerodp.tensor_parallel import TensorParallelism
 
 
 class ParamRuntimeView(Protocol):
@@ -47,6 +48,9 @@ class ParamManager(Protocol):
 
     @property
     def global_rank(self) -> int: ...
+
+    # With tensor parallelism, which parameters are slices (export gathers them whole).
+    tensor_parallel: TensorParallelism | None
 
     def ensure_no_stale_backward(self) -> None: ...
 

@@ -37,6 +37,7 @@ from zerodp.full_state.gathered_parameters import GatheredParameters
 from zerodp.full_state.param_managers import manager_of, manager_of_module
 from zerodp.group import GroupState
 from zerodp.params import zero_parameter
+from zerodp.tensor_parallel import TensorSplit
 
 
 def full_state_dict(
@@ -51,24 +52,49 @@ def full_state_dict(
     """
     manager = manager_of_module(module)
     keep = not rank0_only or manager is None or manager.global_rank == 0
+    # With tensor parallelism every rank takes part in gathering the slices whole.
+    split = _split_of(manager)
     values: dict[int, torch.Tensor] = {}
+    done: set[int] = set()  # tensors gathered already (kept in `values` on ranks that keep)
     if manager is not None:
         for state in manager.params.sharded_states:
             with GatheredParameters(state.params):
-                if keep:
-                    for param in state.params:
-                        values[id(param)] = param.detach().to(device).clone()
-    if not keep:
+                for param in state.params:
+                    value = _whole(split, param, param.detach())
+                    done.add(id(param))
+                    if keep:
+                        values[id(param)] = value.to(device).clone()
+    if not keep and split is None:
         return {}
     result: dict[str, Any] = {}
     for key, value in module.state_dict(keep_vars=True).items():
-        if isinstance(value, torch.Tensor):
-            if id(value) not in values:  # a tied tensor is one tensor under each of its names
-                values[id(value)] = value.detach().to(device).clone()
-            result[key] = values[id(value)]
-        else:
+        if not isinstance(value, torch.Tensor):
             result[key] = value
-    return result
+            continue
+        if id(value) not in done:  # a tied tensor is one tensor under each of its names
+            whole = _whole(split, value, value.detach())
+            done.add(id(value))
+            if keep:
+                values[id(value)] = whole.to(device).clone()
+        if keep:
+            result[key] = values[id(value)]
+    return result if keep else {}
+
+
+def _split_of(manager: Any) -> TensorSplit | None:
+    tensor = getattr(manager, "tensor_parallel", None) if manager is not None else None
+    return None if tensor is None else tensor.split
+
+
+def _whole_shape(split: TensorSplit | None, tensor: torch.Tensor) -> tuple[int, ...]:
+    found = None if split is None else split.split_of(tensor)
+    return tuple(tensor.shape) if found is None else found.full_shape
+
+
+def _whole(split: TensorSplit | None, param: Any, local: torch.Tensor) -> torch.Tensor:
+    """`local`, or the whole tensor of which it is this rank's tensor-parallel slice (a
+    collective over the tensor group)."""
+    return local if split is None else split.whole_value(param, local)
 
 
 # -- saving, streamed ----------------------------------------------------------------------
@@ -92,6 +118,7 @@ def save_state_dict(
     `dtype` when given. Rank 0 writes; returns the files it wrote (every rank).
     """
     writes = _rank() == 0
+    split = _split_of(manager_of_module(module))  # slices are written whole
     frozen = (
         {id(p) for p in module.parameters() if not p.requires_grad} if exclude_frozen else set()
     )
@@ -105,7 +132,7 @@ def save_state_dict(
     def out_dtype(tensor: torch.Tensor) -> torch.dtype:
         return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
-    entries = [TensorEntry(k, out_dtype(t), tuple(t.shape)) for k, t in targets]
+    entries = [TensorEntry(k, out_dtype(t), _whole_shape(split, t)) for k, t in targets]
     files = plan_files(Path(path), entries, max_shard_bytes)
     position = 0
     held: GatheredParameters | None = None
@@ -127,8 +154,9 @@ def save_state_dict(
                         if state is not None:
                             held = GatheredParameters(state.params)
                             held.__enter__()
+                    value = _whole(split, tensor, tensor.detach())  # every rank: a collective
                     if writer is not None:
-                        writer.write(key, tensor.detach().to(entry.dtype))
+                        writer.write(key, value.to(entry.dtype))
     finally:
         if held is not None:
             done, held = held, None
@@ -264,6 +292,7 @@ def load_state_dict(module: nn.Module, source: Any, strict: bool = True) -> None
     tensors = tensor_source(source)
     available = set(tensors.keys())
     targets = list(_targets(module))
+    split = _split_of(manager_of_module(module))  # each rank keeps its slice of a split tensor
     first_name: dict[int, str] = {}
     names_of: dict[int, list[str]] = {}
     for key, target in targets:
@@ -296,11 +325,13 @@ def load_state_dict(module: nn.Module, source: Any, strict: bool = True) -> None
         if name is None:
             continue
         value = tensors.get(name)
-        if tuple(value.shape) != tuple(target.shape):
+        expected = _whole_shape(split, target)
+        if tuple(value.shape) != expected:
             raise CheckpointError(
-                f"'{name}' has shape {tuple(value.shape)} in the weights, "
-                f"{tuple(target.shape)} in the model"
+                f"'{name}' has shape {tuple(value.shape)} in the weights, {expected} in the model"
             )
+        if split is not None:
+            value = split.local_part(target, value)
         found = _group_of(target) if isinstance(target, nn.Parameter) else None
         if found is not None:
             found[0].write_param(found[1], value)

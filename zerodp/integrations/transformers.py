@@ -95,6 +95,7 @@ from zerodp.integrations.trainer_config import (
     refuse_unsupported_arguments,
     trainer_config,
 )
+from zerodp.integrations.trainer_data import TrainerDataRanks, route_data_loaders
 from zerodp.integrations.trainer_factory import SubclassFactory
 from zerodp.integrations.trainer_optimizers import TrainerOptimizers
 from zerodp.integrations.trainer_saving import TrainerSaving
@@ -192,6 +193,9 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
         """
         super().create_accelerator_and_postprocess()
         accelerator = self.accelerator
+        self._data_ranks = TrainerDataRanks.of(
+            self.zerodp_config, self.args.world_size, self.args.process_index
+        )
         prepare_model = accelerator.prepare_model
 
         def prepare_model_unless_ours(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
@@ -205,6 +209,12 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
 
         accelerator.prepare_model = prepare_model_unless_ours
         accelerator.backward = self._engine_backward
+        route_data_loaders(accelerator, self._data_ranks)  # a tensor group shares its batches
+
+    def get_tp_size(self) -> int:
+        """The ranks that share each batch (`tensor_parallel.autotp_size`), for the Trainer's
+        batch accounting."""
+        return self._data_ranks.tensor_size
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """zerodp moves the model to its device (and keeps stage 3 parameters sharded)."""
@@ -252,7 +262,7 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
     def _filled_config(self, num_training_steps: int) -> dict[str, Any]:
         """The zerodp config with its "auto" values from the TrainingArguments."""
         values = TrainerValues.from_args(
-            self.args, num_training_steps=num_training_steps, world_size=self.args.world_size
+            self.args, num_training_steps=num_training_steps, world_size=self._data_ranks.data_size
         )
         return trainer_config(self.zerodp_config, values)
 

@@ -38,10 +38,10 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
     return groups
 
 
-def global_grad_norm(
+def squared_grad_norm(
     grads: list[torch.Tensor], reduction: NormReduction, device: torch.device | None = None
 ) -> torch.Tensor:
-    """The 2-norm of the full gradient; `grads` are this rank's (padded with zeros) pieces.
+    """The squared 2-norm of the gradients `grads` are this rank's (zero-padded) pieces of.
 
     Squared norms are summed over the groups `reduction` names (none when every rank
     holds the whole gradient: no communication then).
@@ -58,7 +58,14 @@ def global_grad_norm(
     total_sq = torch.cat(squares).sum()
     for comm in reduction.sum_over:
         comm.all_reduce(total_sq)
-    return total_sq.sqrt()
+    return total_sq
+
+
+def global_grad_norm(
+    grads: list[torch.Tensor], reduction: NormReduction, device: torch.device | None = None
+) -> torch.Tensor:
+    """The 2-norm of the full gradient; see `squared_grad_norm`."""
+    return squared_grad_norm(grads, reduction, device).sqrt()
 
 
 def scale_grads(grads: list[torch.Tensor], factor: float | torch.Tensor) -> None:

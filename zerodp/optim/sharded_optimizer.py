@@ -26,8 +26,8 @@ from zerodp.group import GroupState
 from zerodp.optim.grad_norm import (
     NormReduction,
     clip_by_global_norm,
-    global_grad_norm,
     scale_grads,
+    squared_grad_norm,
 )
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
 from zerodp.optim.torch_optimizers import TorchOptimizers
@@ -59,6 +59,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reducer: GradientReducer,
         norm: NormReduction,
         states: list[GroupState],
+        split_norm: NormReduction | None = None,
         params: ParamPublisher,
         model_params: list[nn.Parameter],
         gradient_clipping: float,
@@ -73,6 +74,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.defaults = torch_optimizers.inner.defaults
         self._reducer = reducer
         self._norm = norm
+        # Tensor-parallel slices are disjoint across the tensor group, whole tensors copies:
+        # the two kinds' squares are summed over different groups, then added.
+        self._split_norm = split_norm
         self._states = states
         self._params = params
         self._model_params = model_params
@@ -158,16 +162,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._offload is not None:
             self._offload.fetch_grads(self._states)
         grads = []
+        split = []  # which of `grads` are tensor-parallel slices
         for state in self._states:
             param, kept = state.optim, state.grads
             if param is None or kept is None:  # pragma: no cover - trainable groups have both
                 raise RuntimeError(f"internal error: {state} is trainable but incomplete")
             param.param.grad = param.grad_for_optimizer(kept.owned())
             grads.append(param.param.grad)
+            split.append(state.flat.tensor_split)
         scaler = self.loss_scaler
         if scaler.scale != 1.0 and grads:
             scale_grads(grads, 1.0 / scaler.scale)
-        norm = global_grad_norm(grads, self._norm, device=self._device)
+        norm = self._global_norm(grads, split)
         self.last_grad_norm = norm
         self.last_step_skipped = False
         if scaler.checks_overflow:
@@ -195,6 +201,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()
+
+    def _global_norm(self, grads: list[torch.Tensor], split: list[bool]) -> torch.Tensor:
+        """The norm over every element once (rule 2 of [Note: parallel dimensions])."""
+        whole = [g for g, s in zip(grads, split, strict=True) if not s]
+        sliced = [g for g, s in zip(grads, split, strict=True) if s]
+        total = squared_grad_norm(whole, self._norm, device=self._device)
+        if sliced:
+            if self._split_norm is None:  # pragma: no cover - the engine passes it with TP
+                raise RuntimeError("internal error: tensor-parallel slices without their norm")
+            total = total + squared_grad_norm(sliced, self._split_norm, device=self._device)
+        return total.sqrt()
 
     def adopt_replaced_params(self) -> None:
         """Keep values written by `param.data = t` since the last step (see

@@ -19,6 +19,8 @@ data ranks inside one shard group; the shard group itself is Z x S ranks.
 - replica group (same z, s, t; R ranks): shard groups that copy each other
   (`mics_shard_size`, see [Note: shard groups] in `zerodp.comm.topology`).
 - secondary group (hpZ, H consecutive places of a shard group).
+- slice group (same t; R x Z x S ranks): the ranks that hold the same parameter
+  values, the same tensor-parallel slices (every rank when T = 1).
 - data ranks: D = R x Z. Ranks with the same data index (r * Z + z) are handed
   the same samples: a sequence group splits them, a tensor group shares them.
 
@@ -32,6 +34,10 @@ The rules, written here only:
    copies and are not. A tensor-parallel slice is disjoint across its tensor
    group; a weight the plan leaves whole is a copy there.
 3. Data: which samples a rank reads (`data_index` of `data_size`).
+4. Values: the ranks of a slice group hold the same parameter values, so a
+   model's values are taken from the first rank of each slice group
+   (`same_values_label`); a tensor-parallel model is made whole and equal on
+   every rank before it is split, so the slices are those of one model.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ REPLICA = "replica"
 SECONDARY = "secondary"
 SEQUENCE = "sequence"
 TENSOR = "tensor"
+SLICE = "slice"
 
-LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR)
+LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR, SLICE)
 
 
 @dataclass(frozen=True)
@@ -190,6 +197,15 @@ class ParallelDims:
         t = self.tensor_size
         return [list(range(start, start + t)) for start in range(0, self.world_size, t)]
 
+    def slice_groups(self) -> list[list[int]]:
+        """The ranks with the same tensor rank: they hold the same parameter values."""
+        return [list(range(t, self.world_size, self.tensor_size)) for t in range(self.tensor_size)]
+
+    def shard_group_ranks(self, replica: int, tensor: int) -> list[int]:
+        """The world ranks of the shard group of replica `replica` and tensor rank `tensor`,
+        in shard order (place k of the group holds shard k)."""
+        return [self._rank_at(replica, k, tensor) for k in range(self.shard_size)]
+
     def groups_of(self, label: str) -> list[list[int]]:
         """Every group of kind `label` (a partition of the ranks)."""
         builders = {
@@ -198,6 +214,7 @@ class ParallelDims:
             SECONDARY: self.secondary_groups,
             SEQUENCE: self.sequence_groups,
             TENSOR: self.tensor_groups,
+            SLICE: self.slice_groups,
         }
         if label not in builders:
             return [list(range(self.world_size))]
@@ -214,13 +231,25 @@ class ParallelDims:
             SECONDARY: self.secondary_size,
             SEQUENCE: self.sequence_size,
             TENSOR: self.tensor_size,
+            SLICE: self.world_size // self.tensor_size,
         }.get(label, self.world_size)
 
     def needs_group(self, label: str) -> bool:
-        """Whether `label`'s groups need process groups of their own (not the world's)."""
+        """Whether `label`'s groups need process groups of their own (not the world's).
+
+        A shard group smaller than the world always does, even of one rank (tensor
+        parallelism over every rank): its reductions must not reach the other ranks.
+        """
         if label == SECONDARY:
             return self.keeps_secondary
+        if label == SHARD:
+            return self.shard_size < self.world_size
         return 1 < self.group_size(label) < self.world_size
+
+    def same_values_label(self) -> str:
+        """The kind of group whose ranks hold the same parameter values (rule 4 of
+        [Note: parallel dimensions]): the world, or with tensor parallelism the slice group."""
+        return SLICE if self.splits_tensors else WORLD
 
     # -- the rules -----------------------------------------------------------------------
 

@@ -23,9 +23,12 @@ class ModelLayout:
 
 
 def describe_params(
-    module: nn.Module, trainable_groups: dict[int, int]
+    module: nn.Module, trainable_groups: dict[int, int], tensor_split: frozenset[int] = frozenset()
 ) -> tuple[list[nn.Parameter], list[ParamInfo], dict[nn.Module, list[nn.Parameter]]]:
-    """Every distinct parameter with its metadata, and each module's direct parameters."""
+    """Every distinct parameter with its metadata, and each module's direct parameters.
+
+    `tensor_split`: the ids of the parameters that are tensor-parallel slices.
+    """
     params: list[nn.Parameter] = []
     infos: list[ParamInfo] = []
     owner: dict[int, int] = {}
@@ -46,6 +49,7 @@ def describe_params(
                 param_group=trainable_groups.get(id(param), -1),
                 trainable=id(param) in trainable_groups,
                 owner=owner[id(param)],
+                tensor_split=id(param) in tensor_split,
             )
         )
     return params, infos, module_params
@@ -122,6 +126,7 @@ def build_layout(
     presharded: list[FlatGroup] | None = None,
     units: UnitRule | None = None,
     unit_excluded: set[nn.Module] | None = None,
+    tensor_split: frozenset[int] = frozenset(),
 ) -> ModelLayout:
     """Flat groups for `module`; `trainable_groups` maps id(param) to its optimizer group.
 
@@ -129,9 +134,10 @@ def build_layout(
     are); stage 3 shards frozen parameters too, since they take memory alike.
     `owns_full` (stage 0) makes each rank's optimizer own whole groups.
     `units` (stage 3): see `UnitRule`; a unit's sharded parameters share one
-    flat group (per dtype, optimizer param group and trainability).
+    flat group (per dtype, optimizer param group and trainability). `tensor_split`: ids of
+    tensor-parallel slices, which never share a group with whole parameters.
     """
-    params, infos, module_params = describe_params(module, trainable_groups)
+    params, infos, module_params = describe_params(module, trainable_groups, tensor_split)
     if shard_params and units is not None:
         unit_of = units.plan(module, unit_excluded or set())
         if unit_of:
@@ -175,6 +181,7 @@ def build_layout(
                 param_group_index=param_group,
                 persistent=persistent,
                 owns_full=owns_full and persistent,
+                tensor_split=infos[plan.members[0]].tensor_split,
             )
         else:  # built already sharded (zero.Init): adopt it as it is
             flat = adopted

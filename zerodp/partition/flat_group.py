@@ -39,6 +39,7 @@ class FlatGroup:
         param_group_index: int,
         persistent: bool,
         owns_full: bool = False,
+        tensor_split: bool = False,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
@@ -56,6 +57,9 @@ class FlatGroup:
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.persistent = persistent
         self.owns_full = owns_full
+        # Its parameters are tensor-parallel slices (each rank of a tensor group holds other
+        # values): the gradient norm sums their squares over the tensor group too.
+        self.tensor_split = tensor_split
 
         self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=device)
         with torch.no_grad():

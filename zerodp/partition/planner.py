@@ -2,7 +2,8 @@
 
 Pure decisions on parameter metadata; the engine turns each plan into a
 `FlatGroup`. Parameters of one group always share a dtype, an optimizer
-param group and trainability. Groups are returned in the order their
+param group, trainability, and whether they are tensor-parallel slices (the
+gradient norm sums the two kinds over different groups). Groups are returned in the order their
 gradients are reduced: the reverse of registration order, which is roughly
 the order in which backward produces gradients (as in DDP).
 """
@@ -23,6 +24,7 @@ class ParamInfo:
     param_group: int  # optimizer param group; -1 for frozen parameters
     trainable: bool
     owner: int  # index of the first module (in module.modules() order) registering it
+    tensor_split: bool = False  # a tensor-parallel slice (zerodp.tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -44,14 +46,14 @@ class GroupPlan:
         return min(self.members)
 
 
-def _key(info: ParamInfo) -> tuple[int, torch.dtype, bool]:
-    return (info.param_group, info.dtype, info.trainable)
+def _key(info: ParamInfo) -> tuple[int, torch.dtype, bool, bool]:
+    return (info.param_group, info.dtype, info.trainable, info.tensor_split)
 
 
 def plan_buckets(infos: list[ParamInfo], bucket_numel: int, persistent: bool) -> list[GroupPlan]:
     """Chunk parameters, latest-registered first, into groups of at most `bucket_numel`."""
-    open_groups: dict[tuple[int, torch.dtype, bool], list[int]] = {}
-    open_sizes: dict[tuple[int, torch.dtype, bool], int] = {}
+    open_groups: dict[tuple[int, torch.dtype, bool, bool], list[int]] = {}
+    open_sizes: dict[tuple[int, torch.dtype, bool, bool], int] = {}
     plans: list[GroupPlan] = []
     for info in sorted(infos, key=lambda i: i.index, reverse=True):
         key = _key(info)
@@ -77,7 +79,7 @@ def plan_stage3(
     """
     small = [i for i in infos if i.numel < persistence_threshold]
     large = [i for i in infos if i.numel >= persistence_threshold]
-    by_module: dict[tuple[int, int, torch.dtype, bool], list[int]] = {}
+    by_module: dict[tuple[int, int, torch.dtype, bool, bool], list[int]] = {}
     for info in sorted(large, key=lambda i: i.index):
         by_module.setdefault((info.owner, *_key(info)), []).append(info.index)
     plans = [GroupPlan(tuple(members), persistent=False) for members in by_module.values()]

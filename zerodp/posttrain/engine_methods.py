@@ -22,6 +22,7 @@ from zerodp.posttrain.holding import ParamRuntime, gatherer_of
 from zerodp.posttrain.mode import EngineMode
 from zerodp.posttrain.state_offload import OffloadDeviceEnum
 from zerodp.posttrain.weights import DEFAULT_BUCKET_BYTES, FullParameterStream
+from zerodp.tensor_parallel import TensorParallelism
 
 
 class PostTrainingMethods:
@@ -35,6 +36,7 @@ class PostTrainingMethods:
     params: ParamRuntime
     device: torch.device
     posttrain: PostTraining
+    tensor_parallel: TensorParallelism | None
 
     @property
     def mode(self) -> EngineMode:
@@ -95,6 +97,7 @@ class PostTrainingMethods:
             dtype=dtype,
             merge_adapters=merge_adapters,
             device=self.device,
+            split=None if self.tensor_parallel is None else self.tensor_parallel.split,
         )
 
     def offload_states(

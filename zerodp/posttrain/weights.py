@@ -17,7 +17,10 @@ before asking for the next holds one bucket at a time.
 Names are the module's `state_dict()` names (parameters and persistent
 buffers; a tied tensor once, under its first name); values equal
 `engine.state_dict()`'s. At stages 0-2 every tensor is whole on every rank and
-is copied locally. Iterating is a collective: every rank iterates to the end.
+is copied locally. With tensor parallelism each slice is then gathered whole
+over its tensor group (a bucket's slices become T times their size), so every
+tensor comes out whole, as the model without tensor parallelism has it.
+Iterating is a collective: every rank iterates to the end.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from zerodp.group import GroupIndex, GroupState
 from zerodp.params.gatherer import GroupGatherer
 from zerodp.posttrain.holding import held, sharded_groups_of
 from zerodp.posttrain.peft_merge import LoraMerge, MergedNames
+from zerodp.tensor_parallel import TensorSplit
 from zerodp.torch_internals import PlainTensorOps
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -72,6 +76,7 @@ class FullParameterStream:
         dtype: torch.dtype | None,
         merge_adapters: bool,
         device: torch.device,
+        split: TensorSplit | None = None,
     ) -> None:
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
             raise UsageError(
@@ -79,7 +84,13 @@ class FullParameterStream:
             )
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise UsageError(f"full_parameters: dtype must be a torch.dtype or None, got {dtype!r}")
+        if merge_adapters and split is not None:
+            raise UsageError(
+                "full_parameters(merge_adapters=True) with tensor parallelism: merging PEFT "
+                "adapters does not compose with tensor parallelism yet; stream without merging"
+            )
         self.index = index
+        self.split = split  # tensor-parallel slices are gathered whole
         self.comm = comm
         self.gatherer = gatherer
         self.dtype = dtype
@@ -120,6 +131,8 @@ class FullParameterStream:
         out = []
         for entry in bucket:
             value = values[id(entry)]
+            if self.split is not None:  # a collective over the tensor group, in bucket order
+                value = self.split.whole_value(entry.tensor, value)
             if entry.merge is not None:
                 self._merge(entry.merge, value)
             if self.dtype is not None and value.dtype != self.dtype and value.is_floating_point():

@@ -51,6 +51,9 @@ RENAMES: tuple[tuple[str, str], ...] = (
     ),
     ("optimizer.params.adamw_mode", "optimizer.params.adam_w_mode"),  # DeepSpeedCPUAdam's
     ("optimizer.params.max_grad_norm", "gradient_clipping"),  # FusedAdam's, before 0.4
+    # AutoTP's pydantic fields, by name beside their aliases `tp` and `kernel_inject`.
+    ("tensor_parallel.tensor_parallel", "tensor_parallel.tp"),
+    ("tensor_parallel.kernel_inject", "tensor_parallel.replace_with_kernel_inject"),
 )
 
 # Flags that stand for a whole section: (older flag, the section it turns on when true).

@@ -153,11 +153,46 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         'log from your training loop, or use "tensorboard" or "csv_monitor"; ' + _SET_DISABLED,
         _disabled,
     ),
+    # AutoTP's keys beyond what zerodp reads (zerodp.config.tensor_parallel).
     Unsupported(
-        "tensor_parallel",
-        "tensor parallelism (AutoTP)",
-        'remove the block (or set "autotp_size" to 0); zerodp is data-parallel only',
-        lambda v: isinstance(v, dict) and v.get("autotp_size", 0) in (0, 1),
+        "tensor_parallel.partition_config",
+        "DeepSpeed's AutoTP layer specs",
+        'remove it and give zerodp\'s "plan": module-name patterns to "colwise" / "rowwise" '
+        '(e.g. {"layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise"}); a Hugging '
+        "Face model is split by its own plan without one (docs/tensor-parallel.md)",
+        _is(None),
+    ),
+    Unsupported(
+        "tensor_parallel.preset_model",
+        "DeepSpeed's AutoTP presets",
+        "remove it: a Hugging Face model is split by its own plan (base_model_tp_plan); for "
+        'another model give zerodp\'s "plan"',
+        _is(None),
+    ),
+    Unsupported(
+        "tensor_parallel.injection_policy_tuple",
+        "AutoTP injection policies",
+        'remove it; name the split layers in zerodp\'s "plan" instead',
+        _is(None),
+    ),
+    Unsupported(
+        "tensor_parallel.replace_with_kernel_inject",
+        "DeepSpeed's inference kernels",
+        "set it to false (zerodp trains the model's own modules)",
+        _is(False),
+    ),
+    Unsupported(
+        "tensor_parallel.vocab_parallel_lm_head",
+        "a vocabulary-parallel loss, or choosing the lm_head's split apart from the plan",
+        "remove it (null): lm_head is split as the model's plan says (colwise_gather_output: "
+        'its logits gathered whole); to keep it whole, give a "plan" without it',
+        _is(None),
+    ),
+    Unsupported(
+        "tensor_parallel.vocab_parallel_ce_backend",
+        "a vocabulary-parallel loss (Liger's or DeepSpeed's)",
+        'remove it (or set "torch"): the loss is computed on the gathered logits',
+        lambda v: isinstance(v, str) and v.lower() == "torch",
     ),
     Unsupported(
         "expert_parallel",

@@ -1,6 +1,7 @@
 """Keys of features zerodp configures its own way: `checkpoint` (loads at any world size
-and stage), `eigenvalue` (reported through the monitors), and `compile`'s DeepCompile
-knobs (zerodp compiles with torch.compile; DeepCompile itself is unsupported).
+and stage), `eigenvalue` (reported through the monitors), `compile`'s DeepCompile
+knobs (zerodp compiles with torch.compile; DeepCompile itself is unsupported), and
+`tensor_parallel`'s tuning knobs (docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -38,5 +39,21 @@ FEATURES: tuple[Ignored, ...] = (
             "DeepCompile is not implemented",
         )
         for name, kind, default in DEEPCOMPILE_KNOBS
+    ),
+    # --- tensor_parallel: AutoTP's tuning knobs ----------------------------------------------
+    Ignored(
+        "tensor_parallel.tp_overlap_comm",
+        BOOL,
+        "zerodp's tensor-parallel all-reduces run in order with the compute",
+        equals(False),
+        "zerodp does not overlap the tensor-parallel all-reduces with compute (the results "
+        "are the same)",
+    ),
+    Ignored(
+        "tensor_parallel.keep_module_on_host",
+        BOOL,
+        "zerodp splits the model already in memory at initialize (nothing is loaded then)",
+        equals(False),
+        "zerodp splits the model where it is, then moves each rank's slices to its device",
     ),
 )

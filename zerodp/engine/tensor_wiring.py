@@ -1,0 +1,98 @@
+"""Tensor parallelism in the engine: the split before the layout, the parts kept after it.
+
+1. `split_model` (before the flat groups are laid out): refuses what does not
+   compose and needs the engine to see (a model built sharded by `zero.Init`),
+   then splits the model by its plan (`zerodp.tensor_parallel.split_for_engine`).
+   Each rank's slices are then ordinary parameters to ZeRO: laid out in their own
+   flat groups (`FlatGroup.tensor_split`), sharded over the shard group, which
+   with T > 1 is exactly the ranks holding the same slices.
+2. `tensor_parallelism` (once the optimizer is built): refuses an optimizer that
+   reads whole tensors (it would read slices), and keeps the checks (the same
+   batch, the whole parameters equal across each tensor group) with the values
+   they compare: the engine's own buffers of the groups the plan leaves whole.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerodp.comm.subgroups import GroupComms
+from zerodp.config import ZeroDPConfig
+from zerodp.errors import ConfigError
+from zerodp.group import GroupIndex
+from zerodp.params import zero_parameter
+from zerodp.tensor_parallel import TensorParallelism, TensorSplit, split_for_engine
+
+
+def split_model(
+    module: nn.Module, config: ZeroDPConfig, comms: GroupComms, device: torch.device
+) -> TensorSplit | None:
+    """Split `module` for `config.tensor_parallel` (None: no tensor parallelism)."""
+    tp = config.tensor_parallel
+    if not tp.enabled:
+        return None
+    error = None
+    if any(zero_parameter.owner_of(p) is not None for p in module.parameters()):
+        error = ConfigError(
+            f"tensor_parallel.autotp_size {tp.size} with a model built under zero.Init: "
+            "zero.Init does not compose with tensor parallelism yet (its shards are of whole "
+            "weights); build the model without zero.Init, or set autotp_size to 1"
+        )
+    comms.world.raise_if_any_failed(error)
+    return split_for_engine(module, tp, comms, device)
+
+
+def tensor_parallelism(
+    module: nn.Module,
+    config: ZeroDPConfig,
+    comms: GroupComms,
+    split: TensorSplit | None,
+    groups: GroupIndex,
+    *,
+    steps_whole_tensors: bool,
+) -> TensorParallelism | None:
+    """The parts an engine with tensor parallelism keeps (None without it)."""
+    if split is None:
+        return None
+    error = None
+    if steps_whole_tensors:
+        error = ConfigError(
+            f"tensor_parallel.autotp_size {split.size} with an optimizer that reads whole "
+            "tensors (Muon, Adafactor, a class zerodp does not know as elementwise): it would "
+            "read each rank's slices, not the weights; use an elementwise optimizer (AdamW, "
+            "SGD, ...; zerodp.declare_elementwise for your own), or set autotp_size to 1"
+        )
+    comms.world.raise_if_any_failed(error)
+
+    def whole_values() -> list[tuple[str, torch.Tensor]]:
+        return _whole_values(module, groups, split)
+
+    return TensorParallelism(
+        module,
+        split,
+        comms,
+        whole_values,
+        verify_each_step=config.tensor_parallel.verify_replicated,
+    )
+
+
+def _whole_values(
+    module: nn.Module, groups: GroupIndex, split: TensorSplit
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors holding the parameters the plan leaves whole: each group's shard (sharded
+    groups) or full buffer, its optimizer copy, and the parameters no group manages."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for state in groups:
+        flat = state.flat
+        if flat.tensor_split:
+            continue
+        names = state.names
+        label = names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1} in its group)"
+        out.append((label, flat.shard if state.gather is not None else flat.full))
+        if state.optim is not None and state.optim.copy is not None:
+            out.append((f"{label}, optimizer copy", state.optim.copy))
+    for name, param in module.named_parameters():
+        if not groups.manages(param) and not split.is_split(param):
+            out.append((name, param.detach()))
+    return out

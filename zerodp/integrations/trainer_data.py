@@ -1,0 +1,78 @@
+"""The Trainer's data with tensor parallelism: every rank of a tensor group gets the same batch.
+
+With `tensor_parallel.autotp_size` T > 1 the T ranks of a tensor group compute
+on the same samples, so the Trainer's data loaders (prepared by Accelerate)
+are split over the world / T data ranks, each rank reading the part of its data
+index (`ParallelDims.data_index`, the rule the engine's own loader follows),
+and the Trainer's batch accounting (`get_tp_size()`: the total batch size, the
+token count a loss is normalised by) counts T ranks per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zerodp.integrations.trainer_config import read_config
+from zerodp.parallel import ParallelDims
+
+
+@dataclass(frozen=True)
+class TrainerDataRanks:
+    """T, and this rank's place among the data ranks."""
+
+    tensor_size: int
+    data_size: int
+    data_index: int
+
+    @classmethod
+    def of(cls, zerodp_config: Any, world_size: int, rank: int) -> TrainerDataRanks:
+        """From the config's `tensor_parallel.autotp_size` (checked by the engine later)."""
+        block = read_config(zerodp_config).get("tensor_parallel")
+        size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
+        tensor = size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+        if world_size % tensor != 0:  # the engine refuses it with the fix in the message
+            return cls(1, world_size, rank)
+        dims = ParallelDims.build(world_size, rank, tensor_size=tensor)
+        return cls(tensor, dims.data_size, dims.data_index)
+
+
+def route_data_loaders(accelerator: Any, ranks: TrainerDataRanks) -> None:
+    """Make `accelerator.prepare_data_loader` split data over the data ranks, not the world.
+
+    The same call Accelerate makes (its own settings), with the data ranks' count and this
+    rank's data index; a no-op without tensor parallelism.
+    """
+    if ranks.tensor_size == 1:
+        return
+    from accelerate.data_loader import prepare_data_loader
+
+    original = accelerator.prepare_data_loader
+
+    def prepare(
+        data_loader: Any, device_placement: Any = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return original(data_loader, device_placement, slice_fn_for_dispatch)
+        if device_placement is None:
+            device_placement = accelerator.device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            accelerator.device,
+            num_processes=ranks.data_size,
+            process_index=ranks.data_index,
+            split_batches=accelerator.split_batches,
+            put_on_device=device_placement,
+            rng_types=accelerator.rng_types.copy(),
+            dispatch_batches=accelerator.dispatch_batches,
+            even_batches=accelerator.even_batches,
+            slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=accelerator.use_seedable_sampler,
+            data_seed=accelerator.dataloader_config.data_seed,
+            non_blocking=accelerator.non_blocking,
+            use_stateful_dataloader=accelerator.use_stateful_dataloader,
+        )
+        accelerator._dataloaders.append(prepared)
+        return prepared
+
+    accelerator.prepare_data_loader = prepare
