@@ -208,15 +208,6 @@ IGNORED: tuple[Ignored, ...] = (
         "CUDA_VISIBLE_DEVICES environment variable",
     ),
     Ignored("optimizer.legacy_fusion", BOOL, "zerodp uses torch.optim's implementations"),
-    # --- optimizer params (DeepSpeed's extras; any optimizer type) -----------------------
-    Ignored(
-        "optimizer.params.torch_adam",
-        BOOL,
-        "zerodp always uses torch.optim's implementation",
-        _is(True),
-        "zerodp has no DeepSpeed fused Adam; torch's Adam/AdamW is used ("
-        '"fused": true asks torch for its fused kernel)',
-    ),
     # --- precision -----------------------------------------------------------------------
     Ignored(
         "fp16.auto_cast",
