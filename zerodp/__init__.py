@@ -6,9 +6,23 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zerodp import utils, zero
+from zerodp import accelerator, checkpointing, comm, ops, utils, zero
 from zerodp.backward.step_gate import GradientState
-from zerodp.comm import current_rank, current_world_size, ensure_process_group, is_initialized
+from zerodp.comm import (
+    current_rank,
+    current_world_size,
+    ensure_process_group,
+    init_distributed,
+    is_initialized,
+)
+from zerodp.compat import add_config_arguments
+from zerodp.compat.arguments import (
+    config_from_arguments,
+    deepspeed_argument_order,
+    refuse_deepspeed_arguments,
+    sync_local_rank,
+)
+from zerodp.compat.unsupported import missing_attribute
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.config.hints import hints_from_arguments
 from zerodp.engine import ZeroEngine
@@ -29,6 +43,8 @@ from zerodp.errors import (
     ParamStateError,
     PeerFailedError,
     UnevenInputsError,
+    UnsupportedFeatureError,
+    UnsupportedModuleError,
     UsageError,
     ZeroDPError,
 )
@@ -58,15 +74,30 @@ __all__ = [
     "PeerFailedError",
     "RankMismatchError",
     "UnevenInputsError",
+    "UnsupportedFeatureError",
+    "UnsupportedModuleError",
     "UsageError",
     "ZeroDPConfig",
     "ZeroDPError",
     "ZeroEngine",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
     "declare_elementwise",
+    "init_distributed",
     "initialize",
+    "ops",
     "utils",
     "zero",
 ]
+
+DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for `isinstance(model, deepspeed.DeepSpeedEngine)`
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed's names zerodp does not implement raise with the zerodp alternative."""
+    missing_attribute(__name__, name)
 
 
 def initialize(
@@ -80,6 +111,10 @@ def initialize(
     *,
     args: Any = None,
     config_params: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    mesh_param: Any = None,
 ) -> tuple[ZeroEngine, Any, Any, Any]:
     """Wrap `model` in a ZeRO engine; returns (engine, optimizer, dataloader, lr_scheduler).
 
@@ -88,7 +123,13 @@ def initialize(
     rest), a callable(param_groups) -> optimizer, or None for the config's block.
 
     `config` is a dict, a path to a JSON file, or a ZeroDPConfig (DeepSpeed's
-    `config_params` is accepted as an alias). The process group is set up from
+    `config_params` is accepted as an alias), or the path in `args.deepspeed_config`
+    (DeepSpeed's flag, see `add_config_arguments`); a config given twice is an error.
+    DeepSpeed's positional order `initialize(args, model, optimizer, model_parameters,
+    training_data, lr_scheduler)` is recognised by its first two arguments.
+    `distributed_port` is for DeepSpeed's MPI discovery (see `init_distributed`);
+    `mpu` and `mesh_param` (model and sequence parallelism) are refused. The process
+    group is set up from
     torchrun's environment when it is not up yet; the config is validated
     first, on every rank, so a bad config fails everywhere before any
     collective.
@@ -100,12 +141,15 @@ def initialize(
     from the model's dtype. DeepSpeed keys that change nothing in zerodp are
     listed in one warning on rank 0.
     """
+    if deepspeed_argument_order(model, config):
+        args, model, optimizer, model_parameters, training_data, lr_scheduler, config = (
+            model, config, model_parameters, optimizer, lr_scheduler, training_data, None
+        )  # fmt: skip
     if model is None:
         raise ValueError("zerodp.initialize needs model=")
-    if config is None:
-        config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
+    del distributed_port  # DeepSpeed reads it only to discover an MPI launch
+    refuse_deepspeed_arguments(mpu, mesh_param, dist_init_required)
+    config = config_from_arguments(args, config, config_params)
     if config is None:
         raise ValueError("zerodp.initialize needs config= (a dict or a path to a JSON file)")
     if is_initialized():
@@ -124,6 +168,7 @@ def initialize(
     resolved = load_config(config, world_size=world_size, hints=hints, rank=rank)
     training_data, collate_fn = _unwrap_loader(training_data, collate_fn)
     ensure_process_group(resolved.comms_timeout_s)
+    sync_local_rank(args)
     engine = ZeroEngine(
         module=model,
         config=resolved,
