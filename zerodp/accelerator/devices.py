@@ -298,6 +298,8 @@ class DeviceAccelerator(_Accelerator):
         return self._name if device_index is None else f"{self._name}:{device_index}"
 
     def device(self, device_index: int | None = None) -> torch.device:
+        if device_index is None:
+            return torch.device(self._name)
         return torch.device(self._name, device_index)
 
     def set_device(self, device_index: int) -> None:
@@ -326,8 +328,8 @@ class DeviceAccelerator(_Accelerator):
 
     def get_rng_state(self, device_index: int | None = None) -> torch.Tensor:
         if device_index is None:
-            return self._module.get_rng_state()  # type: ignore[no-any-return]
-        return self._module.get_rng_state(device_index)  # type: ignore[no-any-return]
+            return self._module.get_rng_state()
+        return self._module.get_rng_state(device_index)
 
     def manual_seed(self, seed: int) -> None:
         self._module.manual_seed(seed)
@@ -339,7 +341,7 @@ class DeviceAccelerator(_Accelerator):
         return int(self._module.initial_seed())
 
     def default_generator(self, device_index: int) -> torch.Generator:
-        return self._module.default_generators[device_index]  # type: ignore[no-any-return]
+        return self._module.default_generators[device_index]
 
     @property
     def Stream(self) -> Any:  # noqa: N802 (DeepSpeed's name)

@@ -279,7 +279,10 @@ def get_local_rank() -> int:
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
     """The default group's rank of `group`'s rank `group_rank`."""
     _require_group()
-    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+    whole = group if group is not None else dist.group.WORLD
+    if whole is None:
+        raise RuntimeError("internal error: no default process group after set-up")
+    return dist.get_global_rank(whole, group_rank)
 
 
 def get_all_ranks_from_group(group: Any = None) -> list[int]:

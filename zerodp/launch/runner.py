@@ -214,7 +214,7 @@ def plan_run(argv: Sequence[str]) -> RunPlan:
         mode = "module" if parsed.module else "exec" if parsed.no_python else "script"
         target = ["-m", deepspeed_flags.LOCAL_RANK_MODULE, "--as", mode, *target]
     torchrun_argv = [*head, "--nproc-per-node", nproc, *extra, *passthrough, *target]
-    notes = ()
+    notes: tuple[str, ...] = ()
     if launch is not None and launch.no_effect:
         notes = (
             f"zerodp run: {', '.join(launch.no_effect)} tune DeepSpeed's own launcher and "
