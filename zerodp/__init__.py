@@ -129,9 +129,8 @@ def initialize(
     training_data, lr_scheduler)` is recognised by its first two arguments.
     `distributed_port` is for DeepSpeed's MPI discovery (see `init_distributed`);
     `mpu` and `mesh_param` (model and sequence parallelism) are refused. The process
-    group is set up from
-    torchrun's environment when it is not up yet; the config is validated
-    first, on every rank, so a bad config fails everywhere before any
+    group is set up from torchrun's environment when it is not up yet; the config
+    is validated first, on every rank, so a bad config fails everywhere before any
     collective.
 
     "auto" values (as the HF Trainer writes them) are filled from the other
@@ -141,7 +140,7 @@ def initialize(
     from the model's dtype. DeepSpeed keys that change nothing in zerodp are
     listed in one warning on rank 0.
     """
-    if deepspeed_argument_order(model, config):
+    if args is None and deepspeed_argument_order(model, config):
         args, model, optimizer, model_parameters, training_data, lr_scheduler, config = (
             model, config, model_parameters, optimizer, lr_scheduler, training_data, None
         )  # fmt: skip
