@@ -207,7 +207,7 @@ def engine_attributes() -> None:
     assert engine.get_data_parallel_rank() == engine.global_rank == torch_dist.get_rank()
     assert engine.get_batch_info() == (16, 4, 2)
     assert engine.get_mom() == [(0.9, 0.999)]
-    assert engine.optimizer_name() == "Adam" and engine.optimizer_params()["lr"] == 1e-2
+    assert engine.optimizer_name() == "adam" and engine.optimizer_params()["lr"] == 1e-2
     assert engine.scheduler_name() is None and engine.gradient_clipping() == 1.0
     assert engine.zero_optimization() and engine.zero_optimization_partition_gradients()
     assert not engine.zero_optimization_partition_weights()

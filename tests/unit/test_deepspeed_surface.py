@@ -319,6 +319,8 @@ def test_other_deepspeed_options(script: Path) -> None:
     )
     result = plan("--num_gpus", "2", "--bind_cores_to_rank", "--log_level", "warning")
     assert "--bind_cores_to_rank, --log_level" in result.notes[0]
+    result = plan("--num_gpus", "2", "--launcher", "slurm", "--no_ssh")
+    assert "--launcher, --no_ssh" in result.notes[0]  # they serve several nodes
     with pytest.raises(runner.RunUsageError, match="disagree"):
         plan("-n", "3", "--num_gpus", "2")
     with pytest.raises(runner.RunUsageError, match="no autotuner"):

@@ -29,6 +29,9 @@ from zerodp.state_dicts import full_state_dict, load_state_dict, save_state_dict
 
 logger = logging.getLogger("zerodp")
 
+# Config optimizer types DeepSpeed names in lower case (its own; torch's keep the class name).
+_DEEPSPEED_OPTIMIZER_NAMES = frozenset({"adam", "adamw", "adagrad", "lamb", "lion", "muon"})
+
 
 def check_loss(loss: Any, what: str) -> None:
     """A loss `engine.backward`/`engine.scale` can take: a scalar tensor with a grad_fn."""
@@ -258,9 +261,11 @@ class DeepSpeedEngineMethods:
         return self.config.steps_per_print
 
     def optimizer_name(self) -> str:
-        """The config optimizer's type, else the class of the optimizer passed in."""
+        """The config optimizer's type as DeepSpeed spells it (its own optimizers lower-case,
+        torch's by class name), else the class of the optimizer passed in."""
         if self.config.optimizer is not None:
-            return self.config.optimizer.type
+            kind = self.config.optimizer.type
+            return kind.lower() if kind.lower() in _DEEPSPEED_OPTIMIZER_NAMES else kind
         return type(self.optimizer.inner).__name__
 
     def optimizer_params(self) -> dict[str, Any] | None:

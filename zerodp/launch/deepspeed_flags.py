@@ -72,6 +72,12 @@ _NO_EFFECT = {
     "quiet": "--quiet",
 }
 
+_SEVERAL_NODES = {
+    "launcher": "--launcher",
+    "launcher_args": "--launcher_args",
+    "no_ssh": "--no_ssh",
+}
+
 
 class LaunchError(ValueError):
     """DeepSpeed launcher flags `zerodp run` cannot serve; the message says what to run."""
@@ -130,6 +136,8 @@ def deepspeed_launch(
     if len(pool) > 1 or parsed.force_multi or parsed.num_nodes > 1:
         return _multi_node(parsed, pool, log_args, no_effect, written)
     (slots,) = pool.values()
+    # Flags for DeepSpeed's launch on several nodes: on one, DeepSpeed ignores them too.
+    no_effect += tuple(flag for dest, flag in _SEVERAL_NODES.items() if dest in given)
     env = {"PYTHONUNBUFFERED": "1"}
     if parsed.include or parsed.exclude or parsed.hostfile:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
@@ -215,13 +223,16 @@ def _active_pool(parsed: argparse.Namespace) -> dict[str, list[int]]:
 
 def _local_slots(parsed: argparse.Namespace) -> int:
     """This machine's accelerators; on a CPU-only machine, what the flags name."""
-    if parsed.num_gpus > 0:
-        return parsed.num_gpus
     import torch
 
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and accelerator.is_available():
-        return int(accelerator.device_count())
+        count = int(accelerator.device_count())
+        if parsed.num_gpus > count:
+            raise LaunchError(f"--num_gpus {parsed.num_gpus}: this machine has {count}")
+        return parsed.num_gpus if parsed.num_gpus > 0 else count
+    if parsed.num_gpus > 0:
+        return parsed.num_gpus
     if parsed.exclude:
         raise LaunchError(
             "--exclude on a machine without accelerators: there are no device slots to "
