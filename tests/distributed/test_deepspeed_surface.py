@@ -196,7 +196,7 @@ def engine_attributes() -> None:
     torch.manual_seed(0)
     model = TinyNet()
     args = argparse.Namespace(local_rank=-1, deepspeed_config=None)
-    config = zerodp_config(2, optimizer=optimizer_config("Adam", lr=1e-2), gas=2)
+    config = zerodp_config(2, optimizer=optimizer_config("Adam", lr=1e-2), gas=2, clipping=0.5)
     # DeepSpeed's positional order: (args, model, optimizer, model_parameters).
     engine, optimizer, _, _ = zerodp.initialize(
         args, model, None, model.parameters(), config_params=config
@@ -208,7 +208,7 @@ def engine_attributes() -> None:
     assert engine.get_batch_info() == (16, 4, 2)
     assert engine.get_mom() == [(0.9, 0.999)]
     assert engine.optimizer_name() == "adam" and engine.optimizer_params()["lr"] == 1e-2
-    assert engine.scheduler_name() is None and engine.gradient_clipping() == 1.0
+    assert engine.scheduler_name() is None and engine.gradient_clipping() == 0.5
     assert engine.zero_optimization() and engine.zero_optimization_partition_gradients()
     assert not engine.zero_optimization_partition_weights()
     assert not engine.has_moe_layers and not engine.pipeline_parallelism
