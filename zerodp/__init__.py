@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zerodp import accelerator, checkpointing, comm, ops, utils, zero
+from zerodp import accelerator, checkpointing, comm, old_paths, ops, utils, zero
 from zerodp.backward.step_gate import GradientState
 from zerodp.comm import (
     current_rank,
@@ -50,8 +50,10 @@ from zerodp.errors import (
 )
 from zerodp.optim.tensorwise import declare_elementwise
 from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
+from zerodp.version import __version__
 
-__version__ = "0.1.0"
+# Old import paths (`zerodp.gathered`, `zerodp.data`, ...) keep working or name the new one.
+old_paths.install()
 
 __all__ = [
     "AgreedError",
@@ -80,6 +82,7 @@ __all__ = [
     "ZeroDPConfig",
     "ZeroDPError",
     "ZeroEngine",
+    "__version__",
     "accelerator",
     "add_config_arguments",
     "checkpointing",
@@ -95,9 +98,15 @@ __all__ = [
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for `isinstance(model, deepspeed.DeepSpeedEngine)`
 
 
-def __getattr__(name: str) -> Any:
-    """DeepSpeed's names zerodp does not implement raise with the zerodp alternative."""
-    missing_attribute(__name__, name)
+if not TYPE_CHECKING:  # hidden from type checkers, which would accept any zerodp.<name>
+
+    def __getattr__(name: str) -> Any:
+        """`zerodp.gathered` and the other old root modules, when accessed as attributes;
+        DeepSpeed's names zerodp does not implement raise with the zerodp alternative."""
+        if f"{__name__}.{name}" in old_paths.MOVED:
+            return old_paths.root_attribute(name)
+        # Called from here directly: it reads the importing frame two levels up.
+        missing_attribute(__name__, name)
 
 
 def initialize(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerodp.comm import current_rank, is_initialized
-from zerodp.managed import manager_of
+from zerodp.full_state.param_managers import manager_of
 from zerodp.zero import (
     get_z3_leaf_modules,
     set_z3_leaf_modules,
