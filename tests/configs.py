@@ -41,7 +41,7 @@ def zerodp_config(
     loss_scale_power: int | None = None,
     fp16: Mapping[str, Any] | None = None,
     persistence_threshold: int | None = None,
-    clipping: float | None = None,
+    clipping: float | None = 0.0,
     zero: Mapping[str, Any] | None = None,
     **top_level: Any,
 ) -> dict[str, Any]:
@@ -55,7 +55,11 @@ def zerodp_config(
     loss_scale_power:      fp16.initial_scale_power
     fp16:                  further fp16 keys (hysteresis, min_loss_scale, ...)
     persistence_threshold: zero_optimization.stage3_param_persistence_threshold
-    clipping:              gradient_clipping
+    clipping:              gradient_clipping, always written: 0 (off) unless given (None
+                           is 0 too, as it was when 0 was the engine's default). The
+                           references the tests compare with do not clip; the engine's own
+                           default when the key is left out (DeepSpeed's 1.0) is tested in
+                           tests/unit/test_deepspeed_defaults.py and test_deepspeed_script.py
     zero:                  further zero_optimization keys (buckets, prefetch, ...)
     top_level:             further top-level keys (scheduler, seed, monitors, ...)
     """
@@ -74,8 +78,7 @@ def zerodp_config(
         config["gradient_accumulation_steps"] = gas
     if optimizer is not None:
         config["optimizer"] = dict(optimizer)
-    if clipping is not None:
-        config["gradient_clipping"] = clipping
+    config["gradient_clipping"] = clipping or 0.0
     zero_optimization: dict[str, Any] = {"stage": stage}
     if persistence_threshold is not None:
         zero_optimization["stage3_param_persistence_threshold"] = persistence_threshold

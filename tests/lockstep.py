@@ -34,6 +34,9 @@ from zerodp.testing.parity import (
 )
 from zerodp.zero import ParamStatus, is_persistent, param_status
 
+# The engine's gradient_clipping when the config leaves it out (DeepSpeed's: 1.0).
+DEFAULT_CLIPPING = zerodp.ZeroDPConfig.model_fields["gradient_clipping"].default
+
 # How the test runs a backward on zerodp: engine.backward(loss), a plain loss.backward(), or
 # engine.scale(loss).backward(). The reference always runs a plain backward on its loss.
 STYLES = ("engine_backward", "loss_backward", "scale_backward")
@@ -90,7 +93,7 @@ class Lockstep:
         self.style = style
         self.stage = int(config["zero_optimization"]["stage"])
         self.gas = int(config.get("gradient_accumulation_steps", 1))
-        self.clip = float(config.get("gradient_clipping", 0.0))
+        self.clip = float(config.get("gradient_clipping", DEFAULT_CLIPPING))
         self.dtype = config_dtype(config)
         self.torch_dtype = TORCH_DTYPES[self.dtype]
         self.mixed = self.dtype != "fp32"

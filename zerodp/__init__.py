@@ -6,9 +6,23 @@ import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from zerodp import old_paths, utils, zero
+from zerodp import accelerator, checkpointing, comm, old_paths, ops, utils, zero
 from zerodp.backward.step_gate import GradientState
-from zerodp.comm import current_rank, current_world_size, ensure_process_group, is_initialized
+from zerodp.comm import (
+    current_rank,
+    current_world_size,
+    ensure_process_group,
+    init_distributed,
+    is_initialized,
+)
+from zerodp.compat import add_config_arguments
+from zerodp.compat.arguments import (
+    config_from_arguments,
+    deepspeed_argument_order,
+    refuse_deepspeed_arguments,
+    sync_local_rank,
+)
+from zerodp.compat.unsupported import missing_attribute
 from zerodp.config import ZeroDPConfig, load_config
 from zerodp.config.hints import hints_from_arguments
 from zerodp.engine import ZeroEngine
@@ -29,6 +43,8 @@ from zerodp.errors import (
     ParamStateError,
     PeerFailedError,
     UnevenInputsError,
+    UnsupportedFeatureError,
+    UnsupportedModuleError,
     UsageError,
     ZeroDPError,
 )
@@ -60,23 +76,37 @@ __all__ = [
     "PeerFailedError",
     "RankMismatchError",
     "UnevenInputsError",
+    "UnsupportedFeatureError",
+    "UnsupportedModuleError",
     "UsageError",
     "ZeroDPConfig",
     "ZeroDPError",
     "ZeroEngine",
     "__version__",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
     "declare_elementwise",
+    "init_distributed",
     "initialize",
+    "ops",
     "utils",
     "zero",
 ]
+
+DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for `isinstance(model, deepspeed.DeepSpeedEngine)`
 
 
 if not TYPE_CHECKING:  # hidden from type checkers, which would accept any zerodp.<name>
 
     def __getattr__(name: str) -> Any:
-        """`zerodp.gathered` and the other old root modules, when accessed as attributes."""
-        return old_paths.root_attribute(name)
+        """`zerodp.gathered` and the other old root modules, when accessed as attributes;
+        DeepSpeed's names zerodp does not implement raise with the zerodp alternative."""
+        if f"{__name__}.{name}" in old_paths.MOVED:
+            return old_paths.root_attribute(name)
+        # Called from here directly: it reads the importing frame two levels up.
+        missing_attribute(__name__, name)
 
 
 def initialize(
@@ -90,6 +120,10 @@ def initialize(
     *,
     args: Any = None,
     config_params: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    mesh_param: Any = None,
 ) -> tuple[ZeroEngine, Any, Any, Any]:
     """Wrap `model` in a ZeRO engine; returns (engine, optimizer, dataloader, lr_scheduler).
 
@@ -98,9 +132,14 @@ def initialize(
     rest), a callable(param_groups) -> optimizer, or None for the config's block.
 
     `config` is a dict, a path to a JSON file, or a ZeroDPConfig (DeepSpeed's
-    `config_params` is accepted as an alias). The process group is set up from
-    torchrun's environment when it is not up yet; the config is validated
-    first, on every rank, so a bad config fails everywhere before any
+    `config_params` is accepted as an alias), or the path in `args.deepspeed_config`
+    (DeepSpeed's flag, see `add_config_arguments`); a config given twice is an error.
+    DeepSpeed's positional order `initialize(args, model, optimizer, model_parameters,
+    training_data, lr_scheduler)` is recognised by its first two arguments.
+    `distributed_port` is for DeepSpeed's MPI discovery (see `init_distributed`);
+    `mpu` and `mesh_param` (model and sequence parallelism) are refused. The process
+    group is set up from torchrun's environment when it is not up yet; the config
+    is validated first, on every rank, so a bad config fails everywhere before any
     collective.
 
     "auto" values (as the HF Trainer writes them) are filled from the other
@@ -110,12 +149,15 @@ def initialize(
     from the model's dtype. DeepSpeed keys that change nothing in zerodp are
     listed in one warning on rank 0.
     """
+    if args is None and deepspeed_argument_order(model, config):
+        args, model, optimizer, model_parameters, training_data, lr_scheduler, config = (
+            model, config, model_parameters, optimizer, lr_scheduler, training_data, None
+        )  # fmt: skip
     if model is None:
         raise ValueError("zerodp.initialize needs model=")
-    if config is None:
-        config = config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "zerodp_config", None)
+    del distributed_port  # DeepSpeed reads it only to discover an MPI launch
+    refuse_deepspeed_arguments(mpu, mesh_param, dist_init_required)
+    config = config_from_arguments(args, config, config_params)
     if config is None:
         raise ValueError("zerodp.initialize needs config= (a dict or a path to a JSON file)")
     if is_initialized():
@@ -134,6 +176,7 @@ def initialize(
     resolved = load_config(config, world_size=world_size, hints=hints, rank=rank)
     training_data, collate_fn = _unwrap_loader(training_data, collate_fn)
     ensure_process_group(resolved.comms_timeout_s)
+    sync_local_rank(args)
     engine = ZeroEngine(
         module=model,
         config=resolved,

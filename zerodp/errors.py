@@ -88,6 +88,23 @@ class AgreedError(ZeroDPError):
     """Another rank failed a check that every rank agreed on; the message quotes it."""
 
 
+class UnsupportedFeatureError(ZeroDPError, AttributeError):
+    """A DeepSpeed name zerodp does not implement (pipeline parallelism, MoE layers, inference
+    kernels, ...), reached as an attribute; the message names the zerodp alternative.
+
+    Also an `AttributeError`, so `hasattr(deepspeed, "PipelineModule")` stays False and code
+    that probes for a feature takes its fallback.
+    """
+
+
+class UnsupportedModuleError(ZeroDPError, ModuleNotFoundError):
+    """A DeepSpeed module zerodp does not implement (`deepspeed.pipe`, `deepspeed.moe`, ...),
+    imported through zerodp; the message names the zerodp alternative.
+
+    Also a `ModuleNotFoundError`, so `try: import ... except ImportError:` keeps working.
+    """
+
+
 # Types a failure on one rank may be re-raised as on every rank (by name, never unpickled).
 AGREED_TYPES: dict[str, type[BaseException]] = {
     cls.__name__: cls
@@ -95,6 +112,7 @@ AGREED_TYPES: dict[str, type[BaseException]] = {
         ZeroDPError,
         ConfigError,
         UsageError,
+        UnsupportedFeatureError,
         NonScalarLossError,
         LifecycleError,
         ParamStateError,

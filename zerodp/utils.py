@@ -10,12 +10,26 @@ manage are answered locally.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from zerodp.comm import current_rank, is_initialized
 from zerodp.full_state.param_managers import manager_of
+from zerodp.zero import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
+
+logger = logging.getLogger("zerodp")  # DeepSpeed scripts log through deepspeed.utils.logger
 
 __all__ = [
+    "get_z3_leaf_modules",
+    "log_dist",
+    "logger",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -23,7 +37,22 @@ __all__ = [
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
 ]
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """DeepSpeed's `log_dist`: log `message` on the ranks listed (`[-1]`: every rank), prefixed
+    with the rank; before the process group is set up, always (there is one process)."""
+    if is_initialized():
+        rank = current_rank()
+        if not ranks or (ranks[0] != -1 and rank not in ranks):
+            return
+    else:
+        rank = -1
+    logger.log(level, "[Rank %d] %s", rank, message)
 
 
 def safe_get_full_grad(param: nn.Parameter) -> torch.Tensor | None:

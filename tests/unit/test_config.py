@@ -36,7 +36,7 @@ def raises(*parts: str) -> Any:
 def test_defaults() -> None:
     cfg = load_config({"train_micro_batch_size_per_gpu": 4}, world_size=1)
     assert cfg.optimizer is None and cfg.scheduler is None
-    assert cfg.gradient_clipping == 0.0
+    assert cfg.gradient_clipping == 1.0  # DeepSpeed 0.19.3's default (test_deepspeed_defaults)
     assert cfg.steps_per_print == 10
     assert cfg.communication_data_type is None
     assert cfg.dataloader_drop_last is False and cfg.seed is None
@@ -322,7 +322,7 @@ def test_several_errors_are_all_reported() -> None:
         (
             {"optimizer": {"type": "Adamm"}},
             "'optimizer.type': got 'Adamm'; allowed: 'Adam', 'AdamW', 'SGD', 'Adagrad', "
-            "'Adamax', 'RMSprop' or 'Muon'",
+            "'Adamax', 'RMSprop', 'Muon', 'Lamb' or 'Lion'",
         ),
         (
             {"optimizer": {"type": "Adam", "params": 3}},
@@ -385,16 +385,6 @@ def test_missing_optimizer_type() -> None:
 def test_missing_total_num_steps() -> None:
     with raises("missing required config key 'scheduler.params.total_num_steps'; add it"):
         load(scheduler={"type": "WarmupDecayLR", "params": {}})
-
-
-@pytest.mark.parametrize("kind", ["WarmupDecayLR", "WarmupCosineLR"])
-def test_total_num_steps_must_exceed_warmup(kind: str) -> None:
-    with raises(
-        "config key 'scheduler.params.total_num_steps': got 10; "
-        "allowed: an integer > 'scheduler.params.warmup_num_steps' (1000)",
-        "raise 'scheduler.params.total_num_steps' or lower",
-    ):
-        load(scheduler={"type": kind, "params": {"total_num_steps": 10}})
 
 
 def test_sgd_nesterov_needs_momentum() -> None:

@@ -249,10 +249,6 @@ def test_build_scheduler_from_config(raw: dict[str, Any], cls: type[LRScheduler]
             "'warmup_type': got 'cosine'; allowed: 'log' or",
         ),
         (
-            lambda o: WarmupDecayLR(o, total_num_steps=5, warmup_num_steps=5),
-            "config key 'total_num_steps': got 5; allowed: an integer > 'warmup_num_steps' (5)",
-        ),
-        (
             lambda o: WarmupCosineLR(o, total_num_steps=10, warmup_min_ratio=1.5),
             "config key 'warmup_min_ratio': got 1.5",
         ),

@@ -260,7 +260,8 @@ class ZeroDPConfig(Section):
     gradient_accumulation_steps: PosInt | None = None
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
-    gradient_clipping: NonNegFloat = 0.0  # 0 turns clipping off
+    # DeepSpeed 0.19.3+ clips at 1.0 unless told otherwise (0 turns clipping off).
+    gradient_clipping: NonNegFloat = 1.0
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
     steps_per_print: PosInt = 10
     bf16: BF16Config = Field(default_factory=BF16Config)

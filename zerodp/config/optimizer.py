@@ -1,14 +1,16 @@
 """The `optimizer` section: a torch.optim class name and its constructor kwargs.
 
-Every optimizer type here but "Muon" is a torch.optim class whose update is
-elementwise (it steps the flat shards ZeRO keeps); the engine builds it with
-`getattr(torch.optim, name)(groups, **kwargs)` from `torch_kwargs()`. "Muon"
-is DeepSpeed's: torch's Muon for the matrices and Adam(W) for the rest, with
-DeepSpeed's parameter names and defaults (`MuonParams`; the engine splits the
-parameters in `zerodp.optim.muon_config`). Each params model lists exactly
-the keys that optimizer takes, with torch's defaults (DeepSpeed's for Adam's
-`weight_decay` and for Muon), so a misspelled key is reported with the
-nearest valid one.
+Every optimizer type here but "Muon", "Lamb" and "Lion" is a torch.optim class
+whose update is elementwise (it steps the flat shards ZeRO keeps); the engine
+builds it with `getattr(torch.optim, name)(groups, **kwargs)` from
+`torch_kwargs()`. "Muon" is DeepSpeed's: torch's Muon for the matrices and
+Adam(W) for the rest, with DeepSpeed's parameter names and defaults
+(`MuonParams`; the engine splits the parameters in `zerodp.optim.muon_config`).
+"Lamb" and "Lion" are zerodp's implementations of DeepSpeed's FusedLamb and
+FusedLion (`zerodp.optim.lamb`, `zerodp.optim.lion`). Each params model lists
+exactly the keys that optimizer takes, with the defaults DeepSpeed 0.19.8
+applies on the path it takes (torch's for the classes it builds from
+torch.optim), so a misspelled key is reported with the nearest valid one.
 
 DeepSpeed's own optimizer names (`FusedAdam`, `CPUAdam`, ...) and its extra
 params (`bias_correction`, `torch_adam`, ...) are translated before these
@@ -67,20 +69,37 @@ class AdamParams(_TorchImplementation):
     `bias_correction: false` is DeepSpeed's Adam without bias correction, zerodp's own
     `UncorrectedAdam` (torch's always corrects), which has neither amsgrad nor a fused or
     foreach kernel.
+
+    `torch_adam: true` is DeepSpeed's switch to `torch.optim.AdamW` (or `Adam` with
+    `adam_w_mode: false`) built with only the config's keys: torch's own defaults apply
+    (AdamW's `weight_decay` 0.01) and torch picks the kernel. Without it DeepSpeed
+    builds its FusedAdam or CPU Adam, whose `weight_decay` default is 0. So
+    `weight_decay` left out (None here) is resolved by `OptimizerConfig`, which knows
+    the type.
     """
 
     lr: PosFloat = 1e-3
     betas: Betas = (0.9, 0.999)
     eps: PosFloat = 1e-8
-    weight_decay: NonNegFloat = 0.0
+    weight_decay: NonNegFloat | None = None
     amsgrad: Bool = False
     adam_w_mode: Bool = True
     bias_correction: Bool = True
+    torch_adam: Bool = False
 
     @model_validator(mode="after")
     def _uncorrected_has_no_variants(self) -> AdamParams:
         if self.bias_correction:
             return self
+        if self.torch_adam:
+            raise SectionRuleError(
+                ("bias_correction", "torch_adam"),
+                lambda k: (
+                    f"config keys '{k[0]}' false and '{k[1]}' true: torch's Adam and AdamW "
+                    f"always correct the bias (DeepSpeed passes '{k[0]}' to them and fails); "
+                    f"remove '{k[1]}' or '{k[0]}'"
+                ),
+            )
         for key in ("amsgrad", "fused", "foreach"):
             if getattr(self, key):
                 raise SectionRuleError(
@@ -147,6 +166,40 @@ class RMSpropParams(_NoFused):
     centered: Bool = False
 
 
+class LambParams(Section):
+    """DeepSpeed FusedLamb's arguments and defaults (`zerodp.optim.lamb`)."""
+
+    lr: PosFloat = 1e-3
+    bias_correction: Bool = True
+    betas: Betas = (0.9, 0.999)
+    eps: PosFloat = 1e-8
+    eps_inside_sqrt: Bool = False
+    weight_decay: NonNegFloat = 0.0
+    max_coeff: NonNegFloat = 10.0
+    min_coeff: NonNegFloat = 0.01
+    amsgrad: Bool = False
+
+    @model_validator(mode="after")
+    def _no_amsgrad(self) -> LambParams:
+        if self.amsgrad:
+            raise SectionRuleError(
+                ("amsgrad",),
+                lambda k: (
+                    f"config key '{k[0]}': got true; LAMB has no AMSGrad variant (DeepSpeed's "
+                    f"FusedLamb refuses it too); remove '{k[0]}' or set it to false"
+                ),
+            )
+        return self
+
+
+class LionParams(Section):
+    """DeepSpeed FusedLion's arguments and defaults (`zerodp.optim.lion`)."""
+
+    lr: PosFloat = 1e-3
+    betas: Betas = (0.9, 0.999)
+    weight_decay: NonNegFloat = 0.0
+
+
 class MuonParams(Section):
     """DeepSpeed's "Muon": `lr` for both halves unless `muon_lr` / `adam_lr` say otherwise;
     `momentum` and `ns_method` are Muon's, `betas` and `eps` the auxiliary Adam's,
@@ -162,6 +215,9 @@ class MuonParams(Section):
     ns_method: Annotated[Literal["gram", "standard"], choice(("gram", "standard"))] = "gram"
     adam_w_mode: Bool = True
     per_head_muon: Bool = False
+    # DeepSpeed's aux Adam is then torch's AdamW, as zerodp's always is; the aux groups carry
+    # their own weight_decay (0 unless set), so no torch default shows through.
+    torch_adam: Bool = False
 
     @model_validator(mode="after")
     def _no_per_head(self) -> MuonParams:
@@ -184,11 +240,16 @@ OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adamax": AdamaxParams,
     "RMSprop": RMSpropParams,
     "Muon": MuonParams,
+    "Lamb": LambParams,
+    "Lion": LionParams,
 }
 
-OptimizerType = Literal["Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Muon"]
+OptimizerType = Literal[
+    "Adam", "AdamW", "SGD", "Adagrad", "Adamax", "RMSprop", "Muon", "Lamb", "Lion"
+]
 
-_NOT_TORCH_KWARGS = ("adam_w_mode", "bias_correction")
+_NOT_TORCH_KWARGS = ("adam_w_mode", "bias_correction", "torch_adam")
+TORCH_ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default, which torch_adam lets through
 UNCORRECTED_ADAM = "UncorrectedAdam"  # zerodp.optim.uncorrected_adam: bias_correction false
 
 
@@ -211,9 +272,10 @@ class OptimizerConfig(Section):
     @model_validator(mode="after")
     def _check_params(self) -> OptimizerConfig:
         # Which keys are allowed in params depends on `type`, so validate here.
-        object.__setattr__(
-            self, "params", validated_params(OPTIMIZER_PARAMS[self.type], self.params)
-        )
+        params = validated_params(OPTIMIZER_PARAMS[self.type], self.params)
+        if self.type in ("Adam", "AdamW") and params["weight_decay"] is None:
+            params["weight_decay"] = adam_weight_decay_default(self.type, params)
+        object.__setattr__(self, "params", params)
         return self
 
     def torch_kwargs(self) -> tuple[str, dict[str, Any]]:
@@ -228,6 +290,8 @@ class OptimizerConfig(Section):
         if self.type == "Muon":
             raise RuntimeError("internal error: Muon's config builds two optimizers")
         name: str = self.type
+        if name in ("Lamb", "Lion"):
+            return name, {k: v for k, v in self.params.items() if k != "amsgrad"}
         if name == "Adam" and self.params["adam_w_mode"]:
             name = "AdamW"
         if name in ("Adam", "AdamW") and not self.params["bias_correction"]:
@@ -243,3 +307,15 @@ class OptimizerConfig(Section):
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         return name, kwargs
+
+
+def adam_weight_decay_default(optimizer_type: str, params: dict[str, Any]) -> float:
+    """The weight decay DeepSpeed 0.19.8 applies to "Adam"/"AdamW" when the config has none.
+
+    With `torch_adam` it builds `torch.optim.AdamW` (for "AdamW", or "Adam" in its default
+    `adam_w_mode`) without a weight_decay argument, so torch's default 0.01 applies, or
+    `torch.optim.Adam` (default 0). Otherwise its FusedAdam or DeepSpeedCPUAdam, whose
+    default is 0.
+    """
+    decoupled = optimizer_type == "AdamW" or params["adam_w_mode"]
+    return TORCH_ADAMW_WEIGHT_DECAY if params["torch_adam"] and decoupled else 0.0

@@ -19,7 +19,6 @@ from zerodp.config.fields import (
     UnitFloat,
     WarmupType,
     choice,
-    must_exceed,
 )
 from zerodp.config.optimizer import validated_params
 
@@ -34,33 +33,23 @@ class WarmupLRParams(Section):
 
 
 class WarmupDecayLRParams(WarmupLRParams):
-    warmup_max_lr: NonNegFloat = 0.001  # DeepSpeed's WarmupDecayLR default
-    total_num_steps: PosInt = Field(description="the step where lr reaches 0")
+    """`total_num_steps` may be at or below `warmup_num_steps`, as in DeepSpeed: the lr
+    then drops to `warmup_min_lr` when the warmup ends (the scheduler warns)."""
 
-    @model_validator(mode="after")
-    def _ends_after_warmup(self) -> WarmupDecayLRParams:
-        if self.total_num_steps <= self.warmup_num_steps:
-            raise must_exceed(
-                "total_num_steps", "warmup_num_steps", self.total_num_steps, self.warmup_num_steps
-            )
-        return self
+    warmup_max_lr: NonNegFloat = 0.001  # DeepSpeed's WarmupDecayLR default
+    total_num_steps: PosInt = Field(description="the step where lr reaches its minimum")
 
 
 class WarmupCosineLRParams(Section):
+    """`total_num_steps` may be at or below `warmup_num_steps`, as in DeepSpeed: the lr
+    then stays at `cos_min_ratio` once the warmup ends (the scheduler warns)."""
+
     total_num_steps: PosInt = Field(description="the step where the cosine reaches its minimum")
     warmup_min_ratio: UnitFloat = 0.0
     warmup_num_steps: PosInt = 1000
     cos_min_ratio: UnitFloat = 0.0001
     warmup_type: WarmupType = "log"
     last_batch_iteration: LastIteration = -1
-
-    @model_validator(mode="after")
-    def _ends_after_warmup(self) -> WarmupCosineLRParams:
-        if self.total_num_steps <= self.warmup_num_steps:
-            raise must_exceed(
-                "total_num_steps", "warmup_num_steps", self.total_num_steps, self.warmup_num_steps
-            )
-        return self
 
 
 SCHEDULER_PARAMS: dict[str, type[Section]] = {

@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,15 +18,20 @@ from torch import nn
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
-from zerodp.errors import NonScalarLossError, UsageError
+from zerodp.engine.unsupported_attributes import UNSUPPORTED_ENGINE_ATTRIBUTES
+from zerodp.errors import NonScalarLossError, UnsupportedFeatureError, UsageError
 from zerodp.full_state.state_dicts import full_state_dict, load_state_dict, save_state_dict
 from zerodp.group import GroupIndex
 from zerodp.monitor.memory import ModelStateTensors
+from zerodp.monitor.training import TrainingReporter
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
 
 logger = logging.getLogger("zerodp")
+
+# Config optimizer types DeepSpeed names in lower case (its own; torch's keep the class name).
+_DEEPSPEED_OPTIMIZER_NAMES = frozenset({"adam", "adamw", "adagrad", "lamb", "lion", "muon"})
 
 
 def check_loss(loss: Any, what: str) -> None:
@@ -35,9 +40,9 @@ def check_loss(loss: Any, what: str) -> None:
         raise UsageError(f"{what} expects a tensor loss, got {type(loss).__name__}")
     if loss.numel() != 1:
         raise NonScalarLossError(
-            f"{what} needs a scalar loss, got shape {tuple(loss.shape)}; reduce it first "
-            "(e.g. loss.mean()), or for a non-scalar tensor call tensor.backward(gradient) "
-            "yourself (zerodp reduces it just the same)"
+            f"{what} needs a scalar tensor as the loss, got shape {tuple(loss.shape)}; reduce "
+            "it first (e.g. loss.mean()), or for a non-scalar tensor call "
+            "tensor.backward(gradient) yourself (zerodp reduces it just the same)"
         )
     if not loss.requires_grad or loss.grad_fn is None:
         raise UsageError(
@@ -79,7 +84,22 @@ class DeepSpeedEngineMethods:
     strategy: StageStrategy
     precision: PrecisionPolicy
     optimizer: ZeroOptimizer
+    reporter: TrainingReporter
     window: AccumulationWindow
+
+    # DeepSpeed's flags for the parallelism zerodp does not have (scripts branch on them).
+    has_moe_layers = False
+    pipeline_parallelism = False
+
+    if not TYPE_CHECKING:  # a __getattr__ would let the type checker accept any name
+
+        def __getattr__(self, name: str) -> Any:
+            """DeepSpeed's engine attributes zerodp lacks raise with what to use instead."""
+            if name in UNSUPPORTED_ENGINE_ATTRIBUTES:
+                raise UnsupportedFeatureError(
+                    f"engine.{name}: {UNSUPPORTED_ENGINE_ATTRIBUTES[name]}"
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- the model ---------------------------------------------------------------------
 
@@ -192,6 +212,118 @@ class DeepSpeedEngineMethods:
             self.window.no_sync_depth -= 1
 
     # -- queries -----------------------------------------------------------------------
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel world size (every rank: zerodp is data parallel only)."""
+        return self.comm.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """The model-parallel world size: 1 (no tensor or pipeline parallelism)."""
+        return 1
+
+    def get_data_parallel_rank(self) -> int:
+        return self.comm.rank
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_parallel_rank(self) -> int:
+        return 0
+
+    @property
+    def monitor(self) -> Any:
+        """The config's monitors (`write_events([(name, value, step), ...])`, `enabled`);
+        only rank 0's write, as DeepSpeed's."""
+        return self.reporter.monitor
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)."""
+        sizes = self.config.batch_sizes
+        return (
+            sizes.train_batch_size,
+            sizes.train_micro_batch_size_per_gpu,
+            sizes.gradient_accumulation_steps,
+        )
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: `betas` (Adam-like), else `momentum` (SGD, RMSprop)."""
+        return [
+            group["betas"] if "betas" in group else group.get("momentum")
+            for group in self.optimizer.param_groups
+        ]
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def optimizer_name(self) -> str:
+        """The config optimizer's type as DeepSpeed spells it (its own optimizers lower-case,
+        torch's by class name), else the class of the optimizer passed in."""
+        if self.config.optimizer is not None:
+            kind = self.config.optimizer.type
+            return kind.lower() if kind.lower() in _DEEPSPEED_OPTIMIZER_NAMES else kind
+        return type(self.optimizer.inner).__name__
+
+    def optimizer_params(self) -> dict[str, Any] | None:
+        return None if self.config.optimizer is None else dict(self.config.optimizer.params)
+
+    def scheduler_name(self) -> str | None:
+        return None if self.config.scheduler is None else self.config.scheduler.type
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        return None if self.config.scheduler is None else dict(self.config.scheduler.params)
+
+    def zero_optimization(self) -> bool:
+        return self.strategy.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.strategy.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.strategy.stage >= 3
+
+    def zero_offload_optimizer(self) -> Any:
+        return self.config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self) -> Any:
+        return self.config.zero_optimization.offload_param
+
+    def zero_cpu_offload(self) -> bool:
+        offload = self.config.zero_optimization.offload_optimizer
+        return offload is not None and offload.device == "cpu"
+
+    def empty_partition_cache(self) -> None:
+        """Nothing to release: stage 3 frees each module's gathered parameters after it runs
+        (only persistent parameters stay whole, as in DeepSpeed)."""
+
+    def module_state_dict(
+        self,
+        destination: Any = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+        exclude_frozen_parameters: bool = False,
+    ) -> dict[str, Any]:
+        """The model's full state dict (a collective at stage 3), as `state_dict()`."""
+        if destination is not None or prefix or keep_vars:
+            raise UsageError(
+                "engine.module_state_dict() takes no destination, prefix or keep_vars in "
+                "zerodp; use engine.state_dict() and rename the keys yourself"
+            )
+        state = full_state_dict(self.module)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def save_fp16_model(
+        self, save_dir: str | Path, save_filename: str = "pytorch_model.bin"
+    ) -> bool:
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step changed the weights (False after an fp16 overflow)."""

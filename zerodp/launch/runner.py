@@ -18,8 +18,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
+
+from zerodp.launch import deepspeed_flags
 
 NPROC_KEYWORDS: tuple[str, ...] = ("auto", "cpu", "gpu", "xpu")
 """Non-numeric process counts torchrun resolves itself (per CPU or per device)."""
@@ -40,7 +42,9 @@ _MULTI_NODE_FIELDS: tuple[str, ...] = (
     "standalone",
 )
 
-RUN_USAGE = "zerodp run [-n N] [torchrun options] script.py [script args ...]"
+RUN_USAGE = (
+    "zerodp run [-n N] [torchrun options | DeepSpeed launcher options] script.py [script args ...]"
+)
 
 RUN_DESCRIPTION = (
     "Start N local processes running script.py through PyTorch's torchrun "
@@ -51,8 +55,11 @@ RUN_EPILOG = (
     "Any option before the script path that zerodp does not know is passed to torchrun "
     "unchanged, e.g. --nnodes, --node-rank, --master-addr, --master-port, --rdzv-backend, "
     "--rdzv-endpoint, --rdzv-id, --max-restarts, --log-dir, --redirects, --tee "
-    "(see `python -m torch.distributed.run --help`). Everything after the script path "
-    "goes to the script. The exit status is the script's."
+    "(see `python -m torch.distributed.run --help`). DeepSpeed's launcher options are "
+    "understood too: --num_gpus, --num_nodes, --include, --exclude, --hostfile, "
+    "--no_local_rank, --enable_each_rank_log, ... (docs/deepspeed.md); with them each "
+    "process gets --local_rank=N first, as from the deepspeed command. Everything after "
+    "the script path goes to the script. The exit status is the script's."
 )
 
 
@@ -62,13 +69,15 @@ class RunUsageError(ValueError):
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What `zerodp run` will hand to torchrun."""
+    """What `zerodp run` will hand to torchrun (and set in the workers' environment)."""
 
     nproc_per_node: str
     script: str
     script_args: tuple[str, ...]
     torchrun_argv: tuple[str, ...]
     standalone_added: bool
+    env: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -108,7 +117,7 @@ def _add_nproc(parser: argparse.ArgumentParser) -> None:
         "--nproc-per-node",
         "--nproc_per_node",
         dest="nproc_per_node",
-        default="1",
+        default=None,
         metavar="N",
         help="processes to start on this machine (default 1; also auto, cpu, gpu, xpu)",
     )
@@ -126,14 +135,21 @@ def _full_parser() -> argparse.ArgumentParser:
         conflict_handler="resolve",
     )
     _add_nproc(parser)
+    deepspeed_flags.add_flags(parser)
     parser.add_argument("-h", "--help", action=_HelpAction, help="show this help and exit")
     return parser
 
 
-def _stripping_parser() -> argparse.ArgumentParser:
-    """Recognises only zerodp's own options, so everything else stays in order for torchrun."""
+def _stripping_parser(wrapped: bool) -> argparse.ArgumentParser:
+    """Recognises zerodp's own options (and DeepSpeed's launcher options), so everything
+    else stays in order for torchrun; with `wrapped`, also how to run the script, which
+    then goes to the `--local_rank` wrapper instead of torchrun."""
     parser = _RaisingParser(prog="zerodp run", add_help=False, allow_abbrev=False)
     _add_nproc(parser)
+    deepspeed_flags.add_flags(parser)
+    if wrapped:
+        parser.add_argument("-m", "--module", action="store_true")
+        parser.add_argument("--no-python", "--no_python", action="store_true")
     return parser
 
 
@@ -166,25 +182,52 @@ def plan_run(argv: Sequence[str]) -> RunPlan:
     prefix = argv[: len(argv) - len(script_args) - 1]
     if argv[len(prefix)] != script:
         raise RunUsageError(f"could not locate the script path {script!r} on the command line")
-    _, passthrough = _stripping_parser().parse_known_args(prefix)
-    nproc = _validated_nproc(str(parsed.nproc_per_node))
+    defaults = parser.parse_args([script])
+    try:
+        written = {arg.split("=", 1)[0] for arg in prefix if arg.startswith("-")}
+        launch = deepspeed_flags.deepspeed_launch(parsed, defaults, written)
+    except deepspeed_flags.LaunchError as error:
+        raise RunUsageError(str(error)) from None
+    wrapped = launch is not None and launch.pass_local_rank
+    _, passthrough = _stripping_parser(wrapped).parse_known_args(prefix)
+    given = parsed.nproc_per_node
+    nproc = _validated_nproc(str(given or "1"))
+    if launch is not None and launch.nproc is not None:
+        if given is not None and nproc != launch.nproc:
+            raise RunUsageError(
+                f"-n {nproc} and DeepSpeed's flags ({launch.nproc} processes) disagree; "
+                "give one of them"
+            )
+        nproc = launch.nproc
     takes_file = not (parsed.module or parsed.no_python)
     if takes_file and not os.path.isfile(script):
         raise RunUsageError(
             f"script not found: {script!r} (check the path, or use -m for a module)"
         )
-    defaults = parser.parse_args([script])
-    multi_node = any(
+    extra = list(launch.torchrun_args) if launch is not None else []
+    multi_node = "--nnodes" in extra or any(
         getattr(parsed, field) != getattr(defaults, field) for field in _MULTI_NODE_FIELDS
     )
     head = [] if multi_node else ["--standalone"]
-    torchrun_argv = [*head, "--nproc-per-node", nproc, *passthrough, script, *script_args]
+    target = [script, *script_args]
+    if wrapped:
+        mode = "module" if parsed.module else "exec" if parsed.no_python else "script"
+        target = ["-m", deepspeed_flags.LOCAL_RANK_MODULE, "--as", mode, *target]
+    torchrun_argv = [*head, "--nproc-per-node", nproc, *extra, *passthrough, *target]
+    notes: tuple[str, ...] = ()
+    if launch is not None and launch.no_effect:
+        notes = (
+            f"zerodp run: {', '.join(launch.no_effect)} tune DeepSpeed's own launcher and "
+            "have no effect here",
+        )
     return RunPlan(
         nproc_per_node=nproc,
         script=script,
         script_args=tuple(script_args),
         torchrun_argv=tuple(torchrun_argv),
         standalone_added=not multi_node,
+        env=dict(launch.env) if launch is not None else {},
+        notes=notes,
     )
 
 
@@ -210,6 +253,9 @@ def launch(plan: RunPlan) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    for note in plan.notes:
+        print(note, file=sys.stderr, flush=True)
+    os.environ.update(plan.env)  # the workers inherit it
     try:
         torchrun_main(list(plan.torchrun_argv))
     except ChildFailedError as error:

@@ -21,6 +21,8 @@ import torch
 
 from zerodp.config.optimizer import UNCORRECTED_ADAM
 from zerodp.errors import ConfigError
+from zerodp.optim.lamb import Lamb
+from zerodp.optim.lion import Lion
 from zerodp.optim.muon_config import split_for_muon
 from zerodp.optim.param_groups import ParamGroupSpec, is_optimizer_list
 from zerodp.optim.torch_optimizers import OptimizerSource
@@ -51,7 +53,9 @@ def optimizer_sources(
     """(the param groups, possibly split, their optimizer sources, shapes to step in).
 
     With `prefer_fused` (see `steps_fused`) a config optimizer that has a fused kernel
-    and says neither `fused` nor `foreach` gets `fused=True`.
+    and says neither `fused` nor `foreach` gets `fused=True`, unless it says
+    `torch_adam`: DeepSpeed then builds torch's class with torch's own kernel choice,
+    and so does zerodp (the kernels differ in the last bit).
     """
     every = list(range(len(specs)))
     if isinstance(user_optimizer, torch.optim.Optimizer):
@@ -83,6 +87,7 @@ def optimizer_sources(
     class_name, kwargs = config_optimizer.torch_kwargs()
     if (
         prefer_fused
+        and not config_optimizer.params.get("torch_adam", False)
         and class_name in _FUSED
         and kwargs.get("fused") is None
         and kwargs.get("foreach") is None
@@ -92,9 +97,18 @@ def optimizer_sources(
     return specs, [source], {}
 
 
+# Config optimizers torch.optim has no class for: zerodp's own.
+_ZERODP_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
+    UNCORRECTED_ADAM: UncorrectedAdam,
+    "Lamb": Lamb,
+    "Lion": Lion,
+}
+
+
 def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """A config optimizer's class: torch's, or zerodp's Adam without bias correction."""
-    if name == UNCORRECTED_ADAM:
-        return UncorrectedAdam
+    """A config optimizer's class: torch's, or zerodp's (Adam without bias correction,
+    DeepSpeed's LAMB and Lion)."""
+    if name in _ZERODP_CLASSES:
+        return _ZERODP_CLASSES[name]
     optimizer_class: type[torch.optim.Optimizer] = getattr(torch.optim, name)
     return optimizer_class

@@ -24,6 +24,7 @@ Constructor arguments are validated with the same models as the config's
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from torch import Tensor
@@ -36,7 +37,7 @@ from zerodp.config.model import (
     WarmupDecayLRParams,
     WarmupLRParams,
 )
-from zerodp.errors import ConfigError
+from zerodp.errors import ConfigError, ConfigWarning
 
 __all__ = ["WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
 
@@ -58,6 +59,22 @@ def warmup_fraction(t: int, warmup_num_steps: int, warmup_type: str) -> float:
     if warmup_type == "linear":
         return t / n
     return (1.0 / math.log(n)) * math.log(t + 1)  # DeepSpeed's order of operations, to the bit
+
+
+def _warn_if_no_decay(name: str, total_num_steps: int, warmup_num_steps: int) -> None:
+    """DeepSpeed accepts a decay that ends before its warmup does, and warns; so does zerodp.
+
+    The lr then goes from the warmup straight to the schedule's minimum.
+    """
+    if total_num_steps < max(2, warmup_num_steps):
+        warnings.warn(
+            f"{name}: total_num_steps {total_num_steps} is less than warmup_num_steps "
+            f"{warmup_num_steps}: the lr drops to the schedule's minimum when the warmup ends "
+            "(as in DeepSpeed); raise total_num_steps or lower warmup_num_steps if that is not "
+            "what you want",
+            ConfigWarning,
+            stacklevel=3,
+        )
 
 
 def _keep_initial_lr(optimizer: Optimizer) -> None:
@@ -193,6 +210,7 @@ class WarmupDecayLR(_MinToMaxSchedule):
             }
         )
         self.total_num_steps = p.total_num_steps
+        _warn_if_no_decay("WarmupDecayLR", p.total_num_steps, p.warmup_num_steps)
         self._start(optimizer, p)
 
     def _gamma(self, t: int) -> float:
@@ -235,6 +253,7 @@ class WarmupCosineLR(_DeepSpeedSchedule):
             }
         )
         self.total_num_steps = p.total_num_steps
+        _warn_if_no_decay("WarmupCosineLR", p.total_num_steps, p.warmup_num_steps)
         self.warmup_min_ratio = p.warmup_min_ratio
         self.warmup_num_steps = p.warmup_num_steps
         self.cos_min_ratio = p.cos_min_ratio

@@ -64,20 +64,45 @@ class UncorrectedAdam(torch.optim.Optimizer):
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                grad = param.grad
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["step"] += 1
-                if decay != 0 and not group["adam_w_mode"]:
-                    grad = grad.add(param, alpha=decay)
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                update = exp_avg / (exp_avg_sq.sqrt() + eps)
-                if decay != 0 and group["adam_w_mode"]:
-                    update.add_(param, alpha=decay)
-                param.add_(update, alpha=-lr)
+                uncorrected_adam_update(
+                    param,
+                    param.grad,
+                    self.state[param],
+                    beta1,
+                    beta2,
+                    lr,
+                    eps,
+                    decay,
+                    adam_w_mode=group["adam_w_mode"],
+                )
         return loss
+
+
+def uncorrected_adam_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    beta1: float,
+    beta2: float,
+    lr: float,
+    eps: float,
+    decay: float,
+    *,
+    adam_w_mode: bool,
+) -> None:
+    """One element-wise Adam(W) update of `param` without bias correction (module docstring);
+    `state` holds torch's Adam keys and is filled on first use."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param)
+        state["exp_avg_sq"] = torch.zeros_like(param)
+    state["step"] += 1
+    if decay != 0 and not adam_w_mode:
+        grad = grad.add(param, alpha=decay)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    update = exp_avg / (exp_avg_sq.sqrt() + eps)
+    if decay != 0 and adam_w_mode:
+        update.add_(param, alpha=decay)
+    param.add_(update, alpha=-lr)

@@ -70,6 +70,10 @@ OPTIMIZER_TYPES: dict[str, str] = {
     "deepspeedcpuadam": "Adam",
     "cpuadagrad": "Adagrad",
     "deepspeedcpuadagrad": "Adagrad",
+    "fusedlamb": "Lamb",
+    "fusedlion": "Lion",
+    "cpulion": "Lion",
+    "deepspeedcpulion": "Lion",
 }
 
 _PIN = "zero_optimization.cpu_offload_use_pin_memory"

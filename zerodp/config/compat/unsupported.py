@@ -267,24 +267,9 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
 # Optimizer types, by lower-cased name: (what zerodp does not implement, what to do).
 _ADAMW = 'use "AdamW" (or "Adam")'
 UNSUPPORTED_OPTIMIZERS: dict[str, tuple[str, str]] = {
-    "lamb": (
-        "the LAMB optimizer in the config (torch has none)",
-        "pass optimizer= a LAMB instance from a package (zerodp steps it on whole tensors, "
-        f"where its per-tensor trust ratio is exact), or {_ADAMW}",
-    ),
-    "fusedlamb": (
-        "the LAMB optimizer in the config (torch has none)",
-        f"pass optimizer= a LAMB instance from a package, or {_ADAMW}",
-    ),
     "onebitadam": ("1-bit Adam (compressed communication)", _ADAMW),
     "zerooneadam": ("0/1 Adam (compressed communication)", _ADAMW),
-    "onebitlamb": ("1-bit LAMB (compressed communication)", _ADAMW),
-    "lion": (
-        "the Lion optimizer in the config (it is not in torch.optim)",
-        "pass optimizer= an instance from a Lion package, declared with "
-        "zerodp.declare_elementwise(LionClass) so that it steps flat shards (its update is "
-        f"elementwise), or {_ADAMW}",
-    ),
+    "onebitlamb": ("1-bit LAMB (compressed communication)", 'use "Lamb"'),
     "muadam": ("muP optimizers", "build it with the mup package and pass optimizer="),
     "muadamw": ("muP optimizers", "build it with the mup package and pass optimizer="),
     "musgd": ("muP optimizers", "build it with the mup package and pass optimizer="),

@@ -12,15 +12,6 @@ FP16_ONLY = "bf16 needs no loss scaling (an fp16 key)"
 
 OPTIMIZER_AND_PRECISION: tuple[Ignored, ...] = (
     Ignored("optimizer.legacy_fusion", BOOL, "zerodp uses torch.optim's implementations"),
-    # --- optimizer params (DeepSpeed's extras; any optimizer type) -----------------------
-    Ignored(
-        "optimizer.params.torch_adam",
-        BOOL,
-        "zerodp always uses torch.optim's implementation",
-        equals(True),
-        "zerodp has no DeepSpeed fused Adam; torch's Adam/AdamW is used ("
-        '"fused": true asks torch for its fused kernel)',
-    ),
     # --- precision -----------------------------------------------------------------------
     Ignored(
         "fp16.auto_cast",

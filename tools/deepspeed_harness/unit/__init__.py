@@ -1,0 +1,1 @@
+"""DeepSpeed's `tests/unit` helpers that its test files import, for zerodp (see the package)."""
