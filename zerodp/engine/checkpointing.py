@@ -11,8 +11,9 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
+from zerodp.comm.agreement import agreement
 from zerodp.comm.subgroups import GroupComms
-from zerodp.comm.whereabouts import Activity, whereabouts
+from zerodp.comm.whereabouts import Activity
 from zerodp.config import ZeroDPConfig
 from zerodp.data import ZeroDataLoader
 from zerodp.group import GroupIndex
@@ -53,7 +54,7 @@ class CheckpointMethods:
         visible (renamed, then `latest` updated) only once every rank has finished.
         Returns the checkpoint's path. See zerodp.checkpoint for the format.
         """
-        with whereabouts().doing(Activity.SAVING):  # see [Note: uneven inputs]
+        with agreement().doing(Activity.SAVING):  # [Note: agreeing before a collective]
             path = save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state)
         return str(path)
 
@@ -75,7 +76,7 @@ class CheckpointMethods:
         `load_dir`, nothing is loaded and (None, None) is returned, as in DeepSpeed.
         What was restored and what not is logged and kept in `last_load_report`.
         """
-        with whereabouts().doing(Activity.LOADING):  # see [Note: uneven inputs]
+        with agreement().doing(Activity.LOADING):  # [Note: agreeing before a collective]
             path, client, self.last_load_report = load_any_checkpoint(
                 self._checkpoint_subject(),
                 load_dir,

@@ -23,8 +23,9 @@ from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
 from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
-from zerodp.comm.group import local_rank
-from zerodp.comm.whereabouts import whereabouts
+from zerodp.comm.agreement import agreement
+from zerodp.comm.group import comms_timeout, local_rank
+from zerodp.comm.whereabouts import Activity, whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import EngineCallbacks, Removable, assemble
@@ -73,6 +74,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         managed.refuse_managed(module)
         comm = Comm(stall_checks=config.comms_stall_checks)
         check_ranks_agree(comm, config, module)  # one small collective, before any other
+        agreement().install(comm, comms_timeout(config.comms_timeout_s))
         self.config = config
         self.module = module
         self._destroyed = False
@@ -119,6 +121,10 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.posttrain = parts.posttrain
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
+        # Each backward is an activity the ranks agree on ([Note: agreeing before a collective]).
+        self._handles.append(
+            self.lifecycle.on_prologue(lambda task: agreement().begin(Activity.BACKWARD))
+        )
         self._guard = guards.ModuleGuard(module)
         self._handles.append(self._guard)
         state = self.train_state  # its step counts, should this rank get stuck (uneven inputs)
@@ -134,6 +140,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
             self._guard.check_forward()
             self.ensure_no_stale_backward()
             self._announce_round(args, kwargs)  # inside engine.join() only
+            agreement().begin(Activity.FORWARD)  # see [Note: agreeing before a collective]
 
     def _unscaled_backward_factor(self) -> float:
         """What a backward's gradients are multiplied by when its loss was not `scale()`d.

@@ -23,6 +23,8 @@ from zerodp.backward import autograd_api
 from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm
+from zerodp.comm.agreement import agreement
+from zerodp.comm.whereabouts import Activity
 from zerodp.group import GroupState
 from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm, scale_grads
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
@@ -150,6 +152,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_step(self) -> None:
         """One optimizer step on the averaged gradients; the caller has checked it may run."""
+        # Every rank steps now, or none changes anything ([Note: agreeing before a collective]).
+        agreement().agree_now(self._comm, Activity.STEP, "the optimizer step")
         self.adopt_replaced_params()
         if self._reducer.any_local:
             self._reducer.reduce_local()
