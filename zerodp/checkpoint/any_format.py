@@ -49,7 +49,7 @@ def load_any_checkpoint(
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
-    path, client = load_checkpoint(
+    path, client, left = load_checkpoint(
         subject,
         load_dir,
         tag=tag,
@@ -70,8 +70,10 @@ def load_any_checkpoint(
         report.not_restored.append("optimizer state (load_optimizer_states=False)")
     if not load_lr_scheduler_states:
         report.not_restored.append("LR scheduler (load_lr_scheduler_states=False)")
-    report.restored.append(
-        "counters, LR scheduler, random generators, data-loader position, kept gradients, "
-        "client_state, as saved"
-    )
+    pieces = ["counters", "LR scheduler", "random generators", "data-loader position"]
+    if not load_lr_scheduler_states:
+        pieces.remove("LR scheduler")
+    pieces = [piece for piece in pieces if piece not in left]
+    report.restored.append(", ".join([*pieces, "kept gradients", "client_state"]) + ", as saved")
+    report.not_restored += [f"{piece} ({why})" for piece, why in left.items()]
     return path, client, report

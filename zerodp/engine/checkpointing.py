@@ -46,16 +46,30 @@ class CheckpointMethods:
         raise NotImplementedError  # ZeroEngine's
 
     def save_checkpoint(
-        self, save_dir: Any, tag: str | None = None, client_state: Any = None
+        self,
+        save_dir: Any,
+        tag: str | None = None,
+        client_state: Any = None,
+        *,
+        random_states: bool = True,
     ) -> str:
         """Save everything needed to resume, sharded, with torch.distributed.checkpoint.
 
         A collective: every rank calls it. Written under a temporary name and made
         visible (renamed, then `latest` updated) only once every rank has finished.
         Returns the checkpoint's path. See zerodp.checkpoint for the format.
+        `random_states=False` leaves out the random generator states (when they are not
+        the run's, as in `zerodp convert`); loading it then leaves the generators as
+        they are, and says so.
         """
         with agreement().doing(Activity.SAVING):  # [Note: agreeing before a collective]
-            path = save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state)
+            path = save_checkpoint(
+                self._checkpoint_subject(),
+                save_dir,
+                tag,
+                client_state,
+                random_states=random_states,
+            )
         return str(path)
 
     def load_checkpoint(
