@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import datetime
 import time
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -72,8 +73,11 @@ class Agreement:
     the error once ranks disagreed (see [Note: agreeing before a collective])."""
 
     def __init__(self) -> None:
-        self._group: Any = None
-        self._for_world: Any = None  # the default group `_group` was made beside
+        # Weak references: the process groups must die when the teardown destroys them, so
+        # that their destructors join gloo's threads before the interpreter finalizes
+        # ([Note: ending the process] in zerodp.comm.teardown).
+        self._group: weakref.ref[Any] | None = None
+        self._for_world: weakref.ref[Any] | None = None  # the default group beside it
         self.pending = False  # an activity began and has not been agreed on yet
         self.failed: UnevenInputsError | None = None
         self.num_agreed = 0  # agreements made (for benchmarks and tests)
@@ -86,17 +90,23 @@ class Agreement:
         calls it, after the start-up check). Nothing where `comm` does not watch stalls."""
         if not comm.watches_stalls or comm.group is not None:
             return
-        world = dist.group.WORLD
-        if self._group is not None and self._for_world is world:
+        if self._live_group() is not None:
             return
-        self._group = dist.new_group(backend="gloo", timeout=timeout, group_desc="zerodp agree")
-        self._for_world = world
+        group = dist.new_group(backend="gloo", timeout=timeout, group_desc="zerodp agree")
+        self._group = weakref.ref(group)
+        self._for_world = weakref.ref(dist.group.WORLD)
         self.pending = False
         self.failed = None
 
-    @property
-    def installed(self) -> bool:
-        return self._group is not None and self._for_world is dist.group.WORLD
+    def _live_group(self) -> Any:
+        """The agreement group, while the default group it was made beside is the current one
+        (None before `install`, and once the process groups were destroyed)."""
+        if self._group is None or self._for_world is None:
+            return None
+        world = self._for_world()
+        if world is None or world is not dist.group.WORLD:
+            return None
+        return self._group()
 
     # -- activities ------------------------------------------------------------------
 
@@ -129,12 +139,15 @@ class Agreement:
         """Called before every collective of `comm` (the default group's `Comm`)."""
         if self.failed is not None:
             raise UnevenInputsError(str(self.failed))
-        if not self.pending or not self.installed:
+        if not self.pending:
+            return
+        group = self._live_group()
+        if group is None:
             return
         self.pending = False
         start = time.perf_counter()
         try:
-            self._agree(comm, kind)
+            self._agree(comm, kind, group)
         finally:
             self.num_agreed += 1
             self.seconds += time.perf_counter() - start
@@ -146,12 +159,12 @@ class Agreement:
         self.failed = None
         whereabouts().activity = Activity.TRAINING
 
-    def _agree(self, comm: Comm, kind: str) -> None:
+    def _agree(self, comm: Comm, kind: str, group: Any) -> None:
         place = whereabouts().here(comm.rank, "")
         record = comm.history.issue(f"agreement before {kind}", 6 * 8)
         values = [_CODES[place.activity], place.steps, place.micro_steps]
         both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
-        self._wait(comm, record, dist.all_reduce(both, dist.ReduceOp.MAX, self._group, True))
+        self._wait(comm, record, group, dist.all_reduce(both, dist.ReduceOp.MAX, group, True))
         if both[:3].tolist() == (-both[3:]).tolist():
             comm.history.finish(record)
             return
@@ -159,22 +172,23 @@ class Agreement:
         mine = dataclasses.replace(place, waiting_in=waiting_in)
 
         def finish(work: Any, async_op: bool) -> None:
-            self._wait(comm, record, work)
+            self._wait(comm, record, group, work)
 
-        texts = objects.gather_objects(mine.encode(), self._group, comm.world_size, finish)
+        texts = objects.gather_objects(mine.encode(), group, comm.world_size, finish)
         comm.history.finish(record)
         places = [Place.decode(rank, text) for rank, text in enumerate(texts)]
         self.failed = uneven_inputs_error(places, found="at different places")
         raise UnevenInputsError(str(self.failed))
 
-    def _wait(self, comm: Comm, record: Any, work: Any) -> None:
+    @staticmethod
+    def _wait(comm: Comm, record: Any, group: Any, work: Any) -> None:
         """Wait for one of the agreement's collectives as for any: polled, so that a rank
         that ended or is stuck elsewhere is heard; a failure names the agreement."""
         on_stall = comm.on_stall
         try:
             stalled = wait_timed(work, on_stall) if on_stall is not None else work.wait()
         except RuntimeError as error:
-            abort_group(self._group)  # its collective will never complete
+            abort_group(group)  # its collective will never complete
             if passes_through(error):
                 raise
             raise comm.history.failed(record, error) from error
