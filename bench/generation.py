@@ -89,7 +89,7 @@ def _zerodp_routes(base: torch.nn.Module, dtype: str) -> tuple[list[Route], Any]
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = zerodp.initialize(model=copy.deepcopy(base), config=config)
-    coordinator = engine.params.coordinator
+    gatherer = engine.params.gatherer
     reports: dict[str, Any] = {}
 
     def gathered(layer_by_layer: bool) -> Callable[[], contextlib.AbstractContextManager[Any]]:
@@ -102,11 +102,11 @@ def _zerodp_routes(base: torch.nn.Module, dtype: str) -> tuple[list[Route], Any]
         return context
 
     def hooks_peak() -> int:
-        return coordinator.peak_live_numel * engine.precision.param_dtype.itemsize
+        return gatherer.peak_live_numel * engine.precision.param_dtype.itemsize
 
     @contextlib.contextmanager
     def reset_peak() -> Iterator[None]:
-        coordinator.reset_peak()
+        gatherer.reset_peak()
         yield
 
     routes = [

@@ -126,18 +126,18 @@ def case_retain_zero_grad(run: LifecycleRun) -> None:
     """1 (and 4, 5): forward; zero_grad; backward(loss1, retain); zero_grad; backward(loss2)."""
     outs = run.forward(lifecycle_inputs(run.rank, 0))
     run.zero_grad()
-    coordinator = run.engine.params.coordinator if run.stage == 3 else None
-    if coordinator is not None:
-        coordinator.reset_peak()
+    gatherer = run.engine.params.gatherer if run.stage == 3 else None
+    if gatherer is not None:
+        gatherer.reset_peak()
     run.backward(_losses(outs, mse), retain_graph=True)
-    if coordinator is not None:
-        first_peak = coordinator.peak_live_numel
+    if gatherer is not None:
+        first_peak = gatherer.peak_live_numel
         run.check_all_released()  # nothing stays gathered across the retained window
-        coordinator.reset_peak()
+        gatherer.reset_peak()
     run.zero_grad()
     run.backward(_losses(outs, l1))
-    if coordinator is not None:
-        second_peak = coordinator.peak_live_numel
+    if gatherer is not None:
+        second_peak = gatherer.peak_live_numel
         assert 0 < second_peak <= first_peak, (second_peak, first_peak)
     assert run.graph_tasks == 2
 

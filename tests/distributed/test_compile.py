@@ -364,11 +364,11 @@ def _pair_engine(per_block: bool | None, mark: str | None) -> tuple[Any, StackWi
 
 def _watch_pair_entry(engine: Any, model: StackWithPair) -> list[bool]:
     """Whether `pair[2]` is gathered when `pair[0]` starts, at every forward (eager hooks)."""
-    coordinator = engine.params.coordinator
+    module_groups = engine.params.module_groups
     seen: list[bool] = []
 
     def record(module: nn.Module, args: Any) -> None:
-        states = coordinator.groups_of_module(model.pair[2])
+        states = module_groups.gathered_for(model.pair[2])
         assert states, "pair[2] has no sharded group"
         seen.append(all(s.gather.status is ParamStatus.AVAILABLE for s in states))
 

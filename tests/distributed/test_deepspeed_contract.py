@@ -97,6 +97,40 @@ def test_every_call_style_divides_by_the_accumulation_steps(pools, stage: int) -
     assert checks == [len(STYLES) * 2 * GAS] * 2
 
 
+def scaled_and_unscaled_in_one_backward(stage: int) -> int:
+    """`(engine.scale(a) + b).backward()` and the other mixes a loss can be built from: every
+    part of the gradient is divided by the accumulation steps, whatever was scaled."""
+    rank = dist.get_rank()
+    engine, _, model, reference = _pair(stage)
+    checks = 0
+    mixes: list[Callable[[torch.Tensor, torch.Tensor], None]] = [
+        lambda a, b: (engine.scale(a) + b).backward(),
+        lambda a, b: (a + engine.scale(b)).backward(),
+        lambda a, b: (engine.scale(a) + engine.scale(b)).backward(),
+        lambda a, b: torch.autograd.backward([engine.scale(a), b]),
+    ]
+    for micro in range(2 * GAS):
+        first, second = tiny_inputs(rank, 2 * micro), tiny_inputs(rank, 2 * micro + 1)
+        a, b = engine(first).square().mean(), engine(second).square().mean()
+        mixes[micro % len(mixes)](a, b)
+        _reference_backward(reference, first, second, factor=1.0 / GAS)
+        assert_grads_match(model, reference, f"stage {stage} mix {micro % len(mixes)}")
+        checks += 1
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        if boundary:
+            reference.step()
+            reference.zero_grad()
+            assert_params_match(model, reference, f"stage {stage} mixed losses, after a step")
+    engine.destroy()
+    return checks
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_scaled_and_an_unscaled_loss_in_one_backward_are_divided_alike(pools, stage: int) -> None:
+    assert pools(2).run(scaled_and_unscaled_in_one_backward, stage) == [2 * GAS] * 2
+
+
 def non_scalar_and_two_engines(stage: int) -> None:
     rank = dist.get_rank()
     # A non-scalar backward with an explicit gradient.

@@ -95,6 +95,37 @@ def fp16_scale_without_backward(stage: int) -> None:
     engine.destroy()
 
 
+def fp16_scaled_loss_not_at_the_root(stage: int) -> str:
+    """Under fp16 a scaled loss reached from another root would leave part of the gradient
+    unscaled: the backward raises on every rank, and the engine trains on exactly after."""
+    engine, model, reference = _fp16_pair(stage)
+    scale = engine.loss_scale
+    rank = dist.get_rank()
+    a = engine(tiny_inputs(rank, 0).half()).float().square().mean()
+    b = engine(tiny_inputs(rank, 1).half()).float().square().mean()
+    try:
+        (engine.scale(a) + b).backward()
+    except zerodp.UsageError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a mixed fp16 backward did not raise")
+    x = tiny_inputs(rank, 2)
+    engine.zero_grad()
+    engine.backward(engine(x.half()).float().square().mean())
+    ref_loss = reference.model(x.half()).float().square().mean()
+    reference.run_backward((ref_loss * scale).backward)
+    _assert_grads_equal_reference(model, reference, scale, "a backward after the refused one")
+    engine.destroy()
+    return message
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_scaled_loss_must_be_the_root_of_its_backward(pools, stage: int) -> None:
+    messages = pools(2).run(fp16_scaled_loss_not_at_the_root, stage)
+    assert len(set(messages)) == 1
+    assert "Call .backward() on the scaled loss itself" in messages[0]
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_fp16_loss_scale_follows_the_graph_not_the_call_order(pools, stage: int) -> None:
     pools(2).run(fp16_scaled_loss_reused, stage)

@@ -205,20 +205,20 @@ def leaf_working_set() -> dict[str, int]:
     zero = {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}
     config = zerodp_config(3, optimizer=SGD, persistence_threshold=0, zero=zero)
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
-    coordinator = engine.params.coordinator
+    gatherer = engine.params.gatherer
     sizes = {
-        id(block): sum(s.gather.numel for s in coordinator.groups_of_module(block))
+        id(block): sum(s.gather.numel for s in engine.params.module_groups.gathered_for(block))
         for block in model.moe_blocks()
     }
-    model_numel = sum(s.gather.numel for s in coordinator.states)
+    model_numel = sum(s.gather.numel for s in gatherer.states)
     rank = dist.get_rank()
     tokens = moe_inputs(rank, 0, cfg)
     engine.backward(lm_loss(engine(tokens), tokens))  # the first step records the order
     engine.step()
-    coordinator.reset_peak()
+    gatherer.reset_peak()
     tokens = moe_inputs(rank, 1, cfg)
     engine.backward(lm_loss(engine(tokens), tokens))
-    peak = coordinator.peak_live_numel
+    peak = gatherer.peak_live_numel
     engine.step()
     engine.destroy()
     return {"peak": peak, "largest_leaf": max(sizes.values()), "model": model_numel}

@@ -131,14 +131,14 @@ def _assert_units_formed(model: nn.Module, engine: zerodp.ZeroEngine, units: tup
     first (a tied weight belongs to the unit that registers it first) are one group holding
     exactly them; no module inside a unit owns a group of its own."""
     modules = dict(model.named_modules())
-    coordinator = engine.params.coordinator
+    module_groups = engine.params.module_groups
     index = engine.groups
     seen: set[int] = set()
     for name in units:
         unit = modules[name]
         holding = {id(index.state_of(p)) for p in unit.parameters()}
-        gathered = {id(s) for s in coordinator.groups_of_module(unit)}
-        assert gathered == holding, (name, coordinator.groups_of_module(unit))
+        gathered = {id(s) for s in module_groups.gathered_for(unit)}
+        assert gathered == holding, (name, module_groups.gathered_for(unit))
         own = [p for p in unit.parameters() if id(p) not in seen]
         seen |= {id(p) for p in own}
         if own:
@@ -148,7 +148,7 @@ def _assert_units_formed(model: nn.Module, engine: zerodp.ZeroEngine, units: tup
             assert group is not None and {id(p) for p in group.params} == {id(p) for p in own}
         for inner_name, inner in unit.named_modules(prefix=name):
             if inner is not unit:
-                assert not coordinator.owns_groups(inner), (name, inner_name)
+                assert not module_groups.owns_any(inner), (name, inner_name)
     assert seen == {id(p) for p in model.parameters()}, "a parameter outside every unit"
 
 
@@ -252,10 +252,10 @@ def default_units_match_reference() -> dict[str, list[int]]:
         ref_model = copy.deepcopy(model)
         config = zerodp_config(3, optimizer=ADAMW, persistence_threshold=threshold, zero=zero)
         engine, _, _, _ = zerodp.initialize(model=model, config=config)
-        coordinator = engine.params.coordinator
+        module_groups = engine.params.module_groups
         found[label] = _groups_per_block(engine, model)
         blocks_are_units = [
-            not any(coordinator.owns_groups(m) for m in block.modules() if m is not block)
+            not any(module_groups.owns_any(m) for m in block.modules() if m is not block)
             for block in model.blocks
         ]
         found[label + ", units"] = [int(u) for u in blocks_are_units]
@@ -524,14 +524,14 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
     )
     engine, _, _, _ = zerodp.initialize(model=model, config=config)
     reference = ReferenceDP(ref_model, _reference_adamw)
-    coordinator = engine.params.coordinator
+    gatherer = engine.params.gatherer
     rank = dist.get_rank()
     peak = 0
     for step, swap in enumerate([False, False, False, True, True, False]):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
-        coordinator.reset_peak()
+        gatherer.reset_peak()
         engine.backward(_loss(engine(x, swap=swap)))
-        peak = max(peak, coordinator.peak_live_numel)  # forward and backward of every step
+        peak = max(peak, gatherer.peak_live_numel)  # forward and backward of every step
         reference.run_backward(lambda x=x, s=swap: _loss(ref_model(x, swap=s)).backward())
         assert_grads_match(model, reference, f"step {step}, swap {swap}")
         engine.step()
@@ -540,8 +540,8 @@ def prefetch_and_order_changes(max_live: int) -> dict[str, int]:
         assert_all_released(model, 3)
     largest = max(s.flat.padded_numel for s in engine.params.sharded_states)
     report = {
-        "divergences": coordinator.forward_trace.num_divergences,
-        "prefetched": coordinator.num_prefetched,
+        "divergences": engine.params.coordinator.forward_trace.num_divergences,
+        "prefetched": gatherer.num_prefetched,
         "peak": peak,
         "largest": largest,
         "sizes": sorted(s.flat.padded_numel for s in engine.params.sharded_states),

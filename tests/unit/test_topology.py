@@ -14,35 +14,39 @@ import pytest
 from zerodp.comm.topology import (
     NodeSize,
     RankView,
-    Topology,
     check_sizes,
     node_size_from_env,
     nodes_from_views,
 )
 from zerodp.config import load_config
 from zerodp.errors import ConfigError
+from zerodp.parallel import ParallelDims
 
 LOCAL = NodeSize(8, "LOCAL_WORLD_SIZE")
 
 
 def test_groups_of_two_nodes_of_four_with_shard_groups_of_two() -> None:
-    topology = Topology(world_size=8, rank=5, node_size=4, shard_size=2, secondary_size=1)
-    assert topology.shard_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert topology.replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert (topology.shard_rank, topology.replica_index, topology.num_replicas) == (1, 2, 4)
-    assert topology.own_group("shard") == [4, 5]
-    assert topology.own_group("replica") == [1, 3, 5, 7]
-    assert not topology.crosses_nodes("shard")
-    assert topology.crosses_nodes("replica") and topology.crosses_nodes("world")
-    assert topology.hybrid and not topology.keeps_secondary
+    dims = ParallelDims.build(8, 5, shard_size=2)
+    assert dims.shard_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert (dims.shard_rank, dims.replica_index, dims.num_replicas) == (1, 2, 4)
+    assert dims.own_group("shard") == [4, 5]
+    assert dims.own_group("replica") == [1, 3, 5, 7]
+    assert not _crosses_nodes(dims, "shard", 4)
+    assert _crosses_nodes(dims, "replica", 4) and _crosses_nodes(dims, "world", 4)
+    assert dims.hybrid and not dims.keeps_secondary
+
+
+def _crosses_nodes(dims: ParallelDims, label: str, node_size: int) -> bool:
+    return len({r // node_size for r in dims.own_group(label)}) > 1
 
 
 def test_hpz_groups_lie_inside_the_shard_group() -> None:
-    flat = Topology(world_size=16, rank=9, node_size=8, shard_size=16, secondary_size=8)
+    flat = ParallelDims.build(16, 9, shard_size=16, secondary_size=8)
     assert flat.keeps_secondary and not flat.hybrid
     assert flat.own_group("secondary") == list(range(8, 16))
-    assert not flat.crosses_nodes("secondary") and flat.crosses_nodes("shard")
-    same = Topology(world_size=16, rank=9, node_size=8, shard_size=8, secondary_size=8)
+    assert not _crosses_nodes(flat, "secondary", 8) and _crosses_nodes(flat, "shard", 8)
+    same = ParallelDims.build(16, 9, shard_size=8, secondary_size=8)
     assert not same.keeps_secondary  # the shard group is that small already
 
 
@@ -57,7 +61,6 @@ def test_sizes_that_fit(world: int, node: int, shard: int, hpz: int) -> None:
 @pytest.mark.parametrize(
     ("world", "node", "shard", "hpz", "expected"),
     [
-        (16, 8, 3, 1, "mics_shard_size 3 does not divide the world size 16"),
         (24, 8, 12, 1, "shard group (0..11) on nodes 0 and 1 (8 ranks per node"),
         (24, 8, 12, 1, "set it to a divisor of 8 (shard groups inside a node) or a multiple of 8"),
         (16, 8, 16, 16, "zero_hpz_partition_size 16 makes hpZ groups that span nodes"),

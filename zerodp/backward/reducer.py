@@ -46,38 +46,22 @@ rank launches them at the same point between its parameter gathers.
 
 from __future__ import annotations
 
-import enum
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.buffers import BufferPool
-from zerodp.backward.exposure import ParamGradView
-from zerodp.backward.plan import FullReduce, ReductionPlan
+from zerodp.backward.param_grad_views import ParamGradView
+from zerodp.backward.plan import ReductionPlan
+from zerodp.backward.reduction_queue import LaunchKind, ReductionQueue, kept_gradient
 from zerodp.backward.signals import Signal
-from zerodp.comm import Comm, Handle
-from zerodp.comm.order import CollectiveOrder
-from zerodp.errors import LifecycleError
+from zerodp.comm import Comm
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.group import GradSync, GroupState, KeptGradient
+from zerodp.parallel import ParallelDims
 from zerodp.torch_internals import PlainTensorOps
-
-
-class _LaunchKind(enum.Enum):
-    IN_PLACE = "in_place"  # a LOCAL kept gradient reduced where it is
-    BUCKET = "bucket"  # a task's contribution reduced in its bucket, then added
-    IN_PLACE_ACROSS = "in_place_across"  # a PARTIAL kept shard averaged across replicas
-    BUCKET_ACROSS = "bucket_across"  # a bucket's reduced shard averaged across replicas
-
-
-@dataclass
-class _InFlight:
-    state: GroupState
-    kind: _LaunchKind
-    handle: Handle
-    bucket: torch.Tensor | None
-    numel: int
 
 
 @dataclass
@@ -85,7 +69,7 @@ class _RunningTask:
     """The reducer's view of the graph task now running."""
 
     is_boundary: bool
-    contribution_scale: float  # multiplies contributions on their way in (fp16, see begin_task)
+    contribution_scale: float  # multiplies contributions on their way in (see begin_task)
     rank_scale: float = 1.0  # the world size over the ranks contributing (see `rank_scale`)
     has_contributions: bool = False
     next_launch: int = 0  # groups before this index have been launched in this task
@@ -93,11 +77,7 @@ class _RunningTask:
     unsettled: set[GroupState] = field(default_factory=set)  # held back, not yet settled
 
 
-def _kept(state: GroupState) -> KeptGradient:
-    grads = state.grads
-    if grads is None:  # pragma: no cover - the reducer only holds trainable groups
-        raise RuntimeError(f"internal error: {state} has no kept gradient")
-    return grads
+_kept = kept_gradient
 
 
 class GradientReducer:
@@ -112,35 +92,42 @@ class GradientReducer:
         states: list[GroupState],
         comm: Comm,
         plan: ReductionPlan,
+        dims: ParallelDims,
+        window: AccumulationWindow,
         *,
         comm_dtype: torch.dtype | None = None,
         max_inflight_elements: int,
         overlap_comm: bool,
         replicas: Comm | None = None,
+        order: CollectiveOrder | None = None,
     ) -> None:
-        if plan.across_replicas != (replicas is not None):
-            raise RuntimeError("internal error: a plan across replicas needs the replica group")
-        self.comm = comm  # the shard group (every rank without replicas)
-        self.replicas = replicas  # the replica group, with shard groups that replicate
         self.plan = plan
-        # Whether a PARTIAL kept gradient goes on across replicas once its shard group's
-        # reduction is in (a boundary task, or a boundary step's `reduce_local`).
-        self._across_now = False
-        self.overlap_comm = overlap_comm
-        self.max_inflight_elements = max(1, max_inflight_elements)
+        self.window = window
         self.comm_dtype = comm_dtype
         self.states = states
         self.on_contributions_complete: Signal[GroupState] = Signal()
         self._pool = BufferPool()
-        self._inflight: deque[_InFlight] = deque()
-        self._inflight_elements = 0
+        self.queue = ReductionQueue(
+            comm,
+            plan,
+            dims,
+            self._pool,
+            max_inflight_elements=max_inflight_elements,
+            overlap_comm=overlap_comm,
+            replicas=replicas,
+            order=order,
+        )
         self._task = _RunningTask(is_boundary=False, contribution_scale=1.0)
         self._held_back: frozenset[GroupState] = frozenset()
-        self.order: CollectiveOrder | None = None  # stage 3 checks its collectives' order
-        # Reductions divide by the world size; when only some ranks contribute (a join
+        # Reductions average over every data rank; when only some ranks contribute (a join
         # context averaging over the ranks still training) tasks scale by world / those.
         self.rank_scale = 1.0
         self.param_grads = ParamGradView(states) if plan.expose_param_grads else None
+
+    @property
+    def comm(self) -> Comm:
+        """The shard group (every rank without replicas): where gradients are reduced."""
+        return self.queue.comm
 
     @property
     def bucket_numel_held(self) -> int:
@@ -159,38 +146,28 @@ class GradientReducer:
 
     # -- the graph task --------------------------------------------------------------
 
-    def begin_task(self, is_boundary: bool, contribution_scale: float = 1.0) -> None:
+    def begin_task(self) -> None:
         """Prologue: every parameter's `.grad` must be None so that autograd starts afresh.
 
-        `contribution_scale` multiplies this task's gradients on their way in, so
-        that every kept gradient carries the same factor whichever way backward
-        was called (see `mark_task_scaled`).
+        The accumulation window says whether this task is the window's last (its sums
+        are reduced) and what its gradients are multiplied by on their way in (see
+        [Note: gradient factors] in `zerodp.backward.accumulation`).
         """
+        window = self.window
         self._task = _RunningTask(
-            is_boundary=is_boundary,
-            contribution_scale=contribution_scale,
+            is_boundary=window.task_reduces(),
+            contribution_scale=window.contribution_factor(window.begin_task()),
             rank_scale=self.rank_scale,
             held_back=self._held_back,
             unsettled=set(self._held_back),
         )
-        self._across_now = is_boundary
+        self.queue.across_now = self._task.is_boundary
         if self.param_grads is not None:
             self.param_grads.reclaim(self.plan.initial_sync)
         for state in self.states:
             _kept(state).task.reset()
             for param in state.params:
                 param.grad = None
-
-    def mark_task_scaled(self) -> None:
-        """The running task's loss already carries every factor (it came from `engine.scale`)."""
-        if self._task.contribution_scale == 1.0:
-            return
-        if self._task.has_contributions:
-            raise LifecycleError(
-                "one backward mixes a loss returned by engine.scale() with a loss that was "
-                "not scaled; pass every loss of one backward through engine.scale(), or none"
-            )
-        self._task.contribution_scale = 1.0
 
     def contribute(self, state: GroupState, position: int, param: nn.Parameter) -> None:
         """Post-accumulate hook: move this task's gradient of `param` into the kept gradient."""
@@ -254,7 +231,7 @@ class GradientReducer:
             for state in self.states:
                 if not _kept(state).task.launched:
                     self._launch(state)
-            self._drain()
+            self.queue.drain()
         for state in self.states:
             _kept(state).task.reset()
         self._pool.release_idle()
@@ -262,8 +239,8 @@ class GradientReducer:
 
     def abort_task(self) -> None:
         """A task died part-way: wait for what was launched, drop what was collected."""
-        self._across_now = False  # nothing new is issued on the way out
-        self._drain()
+        self.queue.across_now = False  # nothing new is issued on the way out
+        self.queue.drain()
         for state in self.states:
             kept = _kept(state)
             if kept.task.bucket is not None:
@@ -280,19 +257,20 @@ class GradientReducer:
     def reduce_local(self) -> None:
         """Reduce groups not yet averaged over every rank (a boundary step without a boundary
         task): local sums in place, shard-group averages across replicas."""
-        self._across_now = True
+        queue = self.queue
+        queue.across_now = True
         for state in self.states:
             sync = _kept(state).sync
             if sync is GradSync.LOCAL:
-                self._launch_in_place(state)
+                queue.launch_in_place(state)
             elif sync is GradSync.PARTIAL:
-                self._launch_across(state, _LaunchKind.IN_PLACE_ACROSS, None)
-        self._drain()
-        self._across_now = False
+                queue.launch_across(state, LaunchKind.IN_PLACE_ACROSS, None)
+        queue.drain()
+        queue.across_now = False
         self._show_param_grads()
 
     def zero(self) -> None:
-        self._drain()
+        self.queue.drain()
         for state in self.states:
             kept = _kept(state)
             kept.zero()  # its memory is free until the next reduction's result
@@ -318,10 +296,7 @@ class GradientReducer:
         start, end = flat.slot_of(position)
         shape = flat.layout.slots[position].shape
         if kept.sync is GradSync.LOCAL:
-            local = kept.storage[start:end].clone()
-            self.comm.all_reduce(local)
-            local.div_(self.comm.world_size)
-            return self._across_replicas_now(local).view(shape)
+            return self.queue.average_now(kept.storage[start:end].clone()).view(shape)
         if self.plan.reduces_whole_buffer:
             return kept.storage[start:end].clone().view(shape)
         gathered = torch.empty(
@@ -330,15 +305,8 @@ class GradientReducer:
         self.comm.all_gather(gathered, kept.shard_of_storage())
         part = gathered[start:end].clone()
         if kept.sync is GradSync.PARTIAL:
-            part = self._across_replicas_now(part)
+            part = self.queue.across_replicas_now(part)
         return part.view(shape)
-
-    def _across_replicas_now(self, shard_group_average: torch.Tensor) -> torch.Tensor:
-        """The average over every rank of values already averaged over the shard group."""
-        if self.replicas is not None:
-            self.replicas.all_reduce(shard_group_average)
-            shard_group_average.div_(self.replicas.world_size)
-        return shard_group_average
 
     # -- launching -------------------------------------------------------------------
 
@@ -361,116 +329,12 @@ class GradientReducer:
         kept.task.launched = True
         if kept.sync is GradSync.LOCAL:
             if self._task.is_boundary:
-                self._launch_in_place(state)
+                self.queue.launch_in_place(state)
             return
         bucket = self._bucket_for(kept)
         self._zero_unwritten(kept, bucket)
         kept.task.bucket = None
-        self._make_room(bucket.numel())
-        self._note(state)
-        # Always issued asynchronously: without overlap, _track waits for it at once, and the
-        # wait is zerodp's own (watched, see [Note: collective order]).
-        if self.plan.reduces_whole_buffer:
-            handle = self.comm.all_reduce(bucket, async_op=True)
-        else:
-            start, end = state.flat.shard_range
-            handle = self.comm.reduce_scatter(bucket[start:end], bucket, async_op=True)
-        self._track(_InFlight(state, _LaunchKind.BUCKET, handle, bucket, bucket.numel()))
-
-    def _launch_in_place(self, state: GroupState) -> None:
-        kept = _kept(state)
-        self._note(state)
-        if self.plan.full_reduce is FullReduce.ALL_REDUCE:
-            handle = self.comm.all_reduce(kept.storage, async_op=True)
-        else:
-            handle = self.comm.reduce_scatter(kept.shard_of_storage(), kept.storage, async_op=True)
-        numel = kept.storage.numel()
-        self._track(_InFlight(state, _LaunchKind.IN_PLACE, handle, None, numel))
-
-    def _launch_across(
-        self, state: GroupState, kind: _LaunchKind, bucket: torch.Tensor | None
-    ) -> None:
-        """Average a shard-group average across the replica group: the kept shard in place
-        (IN_PLACE_ACROSS), or a bucket's reduced shard before it is added (BUCKET_ACROSS)."""
-        replicas = self.replicas
-        if replicas is None:  # pragma: no cover - only launched with replicas
-            raise RuntimeError("internal error: no replica group")
-        if bucket is None:
-            target = _kept(state).shard_of_storage()
-        else:
-            start, end = state.flat.shard_range
-            target = bucket[start:end]
-        self._note(state, "reduce across replicas")
-        handle = replicas.all_reduce(target, async_op=True)
-        self._track(_InFlight(state, kind, handle, bucket, target.numel()))
-
-    def _note(self, state: GroupState, operation: str = "reduce") -> None:
-        if self.order is not None:
-            self.order.note(operation, state.order)
-
-    def _track(self, inflight: _InFlight) -> None:
-        self._inflight.append(inflight)
-        self._inflight_elements += inflight.numel
-        if not self.overlap_comm:
-            self._finalize_oldest()
-
-    def _make_room(self, numel: int) -> None:
-        while self._inflight and self._inflight_elements + numel > self.max_inflight_elements:
-            self._finalize_oldest()
-
-    def _drain(self) -> None:
-        while self._inflight:
-            self._finalize_oldest()
-
-    def _finalize_oldest(self) -> None:
-        inflight = self._inflight.popleft()
-        self._inflight_elements -= inflight.numel
-        inflight.handle.wait()
-        state, kind = inflight.state, inflight.kind
-        kept = _kept(state)
-        world_size = self.comm.world_size
-        if kind is _LaunchKind.IN_PLACE:
-            if self.plan.full_reduce is FullReduce.ALL_REDUCE:
-                kept.storage.div_(world_size)
-                kept.sync = GradSync.AVERAGED
-                return
-            kept.shard_of_storage().div_(world_size)
-            kept.sync = GradSync.AVERAGED if self.replicas is None else GradSync.PARTIAL
-            self._go_across_if_due(state)
-            return
-        if kind is _LaunchKind.IN_PLACE_ACROSS:
-            kept.shard_of_storage().div_(self._num_replicas)
-            kept.sync = GradSync.AVERAGED
-            return
-        bucket = inflight.bucket
-        if bucket is None:  # pragma: no cover - a bucket launch always carries its bucket
-            raise RuntimeError("internal error: bucket reduction without a bucket")
-        if self.plan.reduces_whole_buffer:
-            kept.storage.add_(bucket.div_(world_size))
-            self._pool.give_back(bucket)
-            return
-        start, end = state.flat.shard_range
-        if kind is _LaunchKind.BUCKET_ACROSS:
-            kept.shard_of_storage().add_(bucket[start:end].div_(self._num_replicas))
-            self._pool.give_back(bucket)
-            return
-        part = bucket[start:end].div_(world_size)
-        if kept.sync is GradSync.AVERAGED and self.replicas is not None:
-            self._launch_across(state, _LaunchKind.BUCKET_ACROSS, bucket)  # added once across
-            return
-        kept.shard_of_storage().add_(part)
-        self._pool.give_back(bucket)
-        self._go_across_if_due(state)
-
-    @property
-    def _num_replicas(self) -> int:
-        return 1 if self.replicas is None else self.replicas.world_size
-
-    def _go_across_if_due(self, state: GroupState) -> None:
-        """At a boundary, a PARTIAL kept gradient whose shard-group reduction is in goes on
-        across the replicas (see [Note: gradient reduction])."""
-        if self._across_now and _kept(state).sync is GradSync.PARTIAL:
-            self._launch_across(state, _LaunchKind.IN_PLACE_ACROSS, None)
+        self.queue.launch_bucket(state, bucket)
 
     def _reopen(self, state: GroupState) -> None:
         """A contribution after the group was launched in this task (a nested task's).
@@ -479,8 +343,7 @@ class GradientReducer:
         order (a reduction across replicas follows its shard group's, so it may be
         launched while finishing): the group has nothing in flight when it reopens.
         """
-        while any(inflight.state is state for inflight in self._inflight):
-            self._finalize_oldest()
+        self.queue.finish_through(state)
         _kept(state).task.launched = False
 
     def _bucket_for(self, kept: KeptGradient) -> torch.Tensor:

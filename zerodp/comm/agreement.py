@@ -27,7 +27,7 @@ After it, every collective of an engine that agrees is refused with the same
 error, so that no rank starts another agreement the others never join.
 
 A rank whose script ended posts that in the store ([Note: uneven inputs] in
-`zerodp.comm.whereabouts`); an agreement is waited for like any collective
+`zerodp.comm.faults.uneven_inputs`); an agreement is waited for like any collective
 (polled each second), so a rank waiting in one for a rank that ended, or for a
 rank stuck somewhere zerodp did not agree (a collective outside these
 activities), hears where that rank is and raises the same error.
@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from zerodp.comm import objects
-from zerodp.comm.history import passes_through
-from zerodp.comm.teardown import abort_group
-from zerodp.comm.waiting import wait_timed
-from zerodp.comm.whereabouts import Activity, Place, uneven_inputs_error, whereabouts
+from zerodp.comm import object_collectives
+from zerodp.comm.faults.collective_history import passes_through
+from zerodp.comm.faults.polled_waits import wait_timed
+from zerodp.comm.faults.teardown import abort_group
+from zerodp.comm.faults.uneven_inputs import Activity, Place, uneven_inputs_error, whereabouts
 from zerodp.errors import UnevenInputsError
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class Agreement:
     def __init__(self) -> None:
         # Weak references: the process groups must die when the teardown destroys them, so
         # that their destructors join gloo's threads before the interpreter finalizes
-        # ([Note: ending the process] in zerodp.comm.teardown).
+        # ([Note: ending the process] in zerodp.comm.faults.teardown).
         self._group: weakref.ref[Any] | None = None
         self._for_world: weakref.ref[Any] | None = None  # the default group beside it
         self.pending = False  # an activity began and has not been agreed on yet
@@ -174,7 +174,7 @@ class Agreement:
         def finish(work: Any, async_op: bool) -> None:
             self._wait(comm, record, group, work)
 
-        texts = objects.gather_objects(mine.encode(), group, comm.world_size, finish)
+        texts = object_collectives.gather_objects(mine.encode(), group, comm.world_size, finish)
         comm.history.finish(record)
         places = [Place.decode(rank, text) for rank, text in enumerate(texts)]
         self.failed = uneven_inputs_error(places, found="at different places")

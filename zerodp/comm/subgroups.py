@@ -26,17 +26,14 @@ import torch.distributed as dist
 
 from zerodp.comm.collectives import WORLD, Comm
 from zerodp.comm.topology import (
-    REPLICA,
-    SECONDARY,
-    SHARD,
     NodeSize,
     RankView,
-    Topology,
     check_sizes,
     node_size_from_env,
     nodes_from_views,
 )
 from zerodp.errors import ConfigError, ConfigWarning
+from zerodp.parallel import LABELS, REPLICA, SECONDARY, SEQUENCE, SHARD, TENSOR, ParallelDims
 
 WITHIN_NODE = "within a node"
 ACROSS_NODES = "across nodes"
@@ -44,34 +41,51 @@ ACROSS_NODES = "across nodes"
 
 @dataclass(frozen=True)
 class GroupComms:
-    """The `Comm` of each group this rank is in.
+    """The `Comm` of each group this rank is in, and the dims they were built from.
 
     `shard` is where parameters are gathered and gradients reduce-scattered (the world
     `Comm` itself when sharding over all ranks); `replica` averages gradients across
     shard groups at the accumulation boundary (None without replicas); `secondary` is
-    hpZ's group (None without a secondary shard).
+    hpZ's group, `sequence` and `tensor` the sequence- and tensor-parallel groups (None
+    where that dimension has one rank). What each group's reductions are divided by,
+    and which groups a norm is summed over, is for `dims` to say (see [Note: parallel
+    dimensions] in `zerodp.parallel.dims`).
     """
 
-    topology: Topology
+    dims: ParallelDims
+    node_size: int
     world: Comm
     shard: Comm
     replica: Comm | None = None
     secondary: Comm | None = None
+    sequence: Comm | None = None
+    tensor: Comm | None = None
 
     @property
     def subgroups(self) -> list[Comm]:
         """The `Comm`s over groups other than the default one."""
-        found = [self.shard, self.replica, self.secondary]
+        found = [self.shard, self.replica, self.secondary, self.sequence, self.tensor]
         return [c for c in found if c is not None and c is not self.world]
 
+    def of(self, label: str) -> Comm | None:
+        """The `Comm` of this rank's group of kind `label` (None: a group of one rank)."""
+        return {
+            SHARD: self.shard,
+            REPLICA: self.replica,
+            SECONDARY: self.secondary,
+            SEQUENCE: self.sequence,
+            TENSOR: self.tensor,
+        }.get(label, self.world)
+
     def crosses_nodes(self, label: str) -> bool:
-        return self.topology.crosses_nodes(label)
+        """Whether this rank's group of kind `label` has ranks on more than one node."""
+        return len({r // self.node_size for r in self.dims.own_group(label)}) > 1
 
     def traffic(self) -> dict[str, int]:
         """This rank's bytes since the stats' last reset, by group label and by reach."""
         stats = self.world.stats
         out: dict[str, int] = {}
-        for label in (WORLD, SHARD, REPLICA, SECONDARY):
+        for label in (WORLD, *LABELS):
             nbytes = stats.bytes_of_group(label)
             if nbytes:
                 out[label] = nbytes
@@ -89,8 +103,8 @@ def flat_comms(world: Comm) -> GroupComms:
         node = None  # only used to label traffic; a flat run does not depend on it
     if node is not None and node.ranks <= world.world_size and world.world_size % node.ranks == 0:
         node_size = node.ranks
-    topology = Topology(world.world_size, world.rank, node_size, world.world_size)
-    return GroupComms(topology, world, world)
+    dims = ParallelDims.build(world.world_size, world.rank)
+    return GroupComms(dims, node_size, world, world)
 
 
 def group_comms(
@@ -98,9 +112,12 @@ def group_comms(
     *,
     shard_size: int = -1,
     secondary_size: int = 1,
+    sequence_size: int = 1,
+    tensor_size: int = 1,
     timeout: datetime.timedelta | None = None,
 ) -> GroupComms:
-    """The groups for `mics_shard_size` (-1: all ranks) and `zero_hpz_partition_size`.
+    """The groups for `mics_shard_size` (-1: all ranks), `zero_hpz_partition_size`, and
+    the sequence- and tensor-parallel sizes.
 
     A collective: every rank calls it with the same sizes (the config, checked alike at
     start-up). Raises `ConfigError` on every rank for sizes the nodes cannot hold.
@@ -108,39 +125,54 @@ def group_comms(
     """
     world_size = world.world_size
     shard = world_size if shard_size <= 0 else shard_size
-    if shard == world_size and secondary_size <= 1:
+    if shard == world_size and secondary_size <= 1 and sequence_size == tensor_size == 1:
         return flat_comms(world)
     error: ConfigError | None = None
-    topology: Topology | None = None
+    dims: ParallelDims | None = None
+    node_size = world_size
     try:
+        dims = ParallelDims.build(
+            world_size,
+            world.rank,
+            shard_size=shard_size,
+            secondary_size=secondary_size,
+            sequence_size=sequence_size,
+            tensor_size=tensor_size,
+        )
         node = _agreed_node_size(world)
-        problems = check_sizes(world_size, node, shard, secondary_size)
+        # A shard group spreads over shard_size x tensor_size consecutive ranks.
+        span = dims.shard_size * dims.tensor_size
+        problems = check_sizes(world_size, node, span, secondary_size)
         if problems:
             raise ConfigError("; ".join(problems))
-        topology = Topology(world_size, world.rank, node.ranks, shard, secondary_size)
+        node_size = node.ranks
     except ConfigError as caught:
         error = caught
     world.raise_if_any_failed(error)
-    if topology is None:  # pragma: no cover - raised above on every rank
-        raise RuntimeError("internal error: no topology")
-    _warn_without_effect(topology)
-    replica = secondary = None
-    shard_comm = world
-    if topology.shard_size < world_size:
-        shard_comm = Comm(_own_group(topology, SHARD, timeout), label=SHARD, parent=world)
-    if topology.hybrid:
-        replica = Comm(_own_group(topology, REPLICA, timeout), label=REPLICA, parent=world)
-    if topology.keeps_secondary:
-        group = _own_group(topology, SECONDARY, timeout)
-        secondary = Comm(group, label=SECONDARY, parent=world)
-    return GroupComms(topology, world, shard_comm, replica, secondary)
+    if dims is None:  # pragma: no cover - raised above on every rank
+        raise RuntimeError("internal error: no parallel dims")
+    _warn_without_effect(dims)
+    made: dict[str, Comm] = {}
+    for label in LABELS:
+        if dims.needs_group(label):
+            made[label] = Comm(_own_group(dims, label, timeout), label=label, parent=world)
+    return GroupComms(
+        dims,
+        node_size,
+        world,
+        made.get(SHARD, world),
+        replica=made.get(REPLICA),
+        secondary=made.get(SECONDARY),
+        sequence=made.get(SEQUENCE),
+        tensor=made.get(TENSOR),
+    )
 
 
-def _warn_without_effect(topology: Topology) -> None:
-    if topology.rank == 0 and topology.secondary_size > 1 and not topology.keeps_secondary:
+def _warn_without_effect(dims: ParallelDims) -> None:
+    if dims.rank == 0 and dims.secondary_size > 1 and not dims.keeps_secondary:
         warnings.warn(
-            f"zero_optimization.zero_hpz_partition_size {topology.secondary_size} has no effect: "
-            f"the shard group has {topology.shard_size} ranks already, so every gather stays "
+            f"zero_optimization.zero_hpz_partition_size {dims.secondary_size} has no effect: "
+            f"the shard group has {dims.shard_size} ranks already, so every gather stays "
             "inside a group that size; no secondary copy is kept",
             ConfigWarning,
             stacklevel=3,
@@ -166,13 +198,13 @@ _MADE: dict[tuple[str, tuple[tuple[int, ...], ...]], Any] = {}
 _MADE_FOR: list[Any] = []  # the default group the groups in _MADE belong to
 
 
-def _own_group(topology: Topology, label: str, timeout: datetime.timedelta | None) -> Any:
+def _own_group(dims: ParallelDims, label: str, timeout: datetime.timedelta | None) -> Any:
     """This rank's process group of kind `label`, made (a collective) the first time."""
     world_group = dist.group.WORLD
     if not _MADE_FOR or _MADE_FOR[0] is not world_group:
         _MADE.clear()
         _MADE_FOR[:] = [world_group]
-    enumeration = tuple(tuple(group) for group in topology.groups_of(label))
+    enumeration = tuple(tuple(group) for group in dims.groups_of(label))
     key = (label, enumeration)
     if key not in _MADE:
         _MADE[key] = dist.new_subgroups_by_enumeration(

@@ -1,4 +1,4 @@
-"""Where each rank sits: nodes, shard groups, replica groups and hpZ groups (arithmetic only).
+"""Nodes: how many ranks each runs, and which group sizes the nodes can hold (arithmetic only).
 
 [Note: shard groups]
 With `mics_shard_size` S (a divisor of the world size N) the ranks form N/S
@@ -47,10 +47,6 @@ from zerodp.errors import ConfigError
 NODE_SIZE_ENV = "ZERODP_NODE_SIZE"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 
-SHARD = "shard"
-REPLICA = "replica"
-SECONDARY = "secondary"
-
 
 @dataclass(frozen=True)
 class NodeSize:
@@ -78,86 +74,12 @@ def node_size_from_env(environ: dict[str, str] | None = None) -> NodeSize | None
     return None
 
 
-@dataclass(frozen=True)
-class Topology:
-    """The groups a rank belongs to, for a world of `world_size` ranks.
-
-    `shard_size` is S (the world size when sharding over all ranks), `secondary_size`
-    H (1: no secondary shard), `node_size` the ranks per node.
-    """
-
-    world_size: int
-    rank: int
-    node_size: int
-    shard_size: int
-    secondary_size: int = 1
-
-    @property
-    def num_replicas(self) -> int:
-        return self.world_size // self.shard_size
-
-    @property
-    def hybrid(self) -> bool:
-        """Whether shard groups replicate each other (S < N)."""
-        return self.num_replicas > 1
-
-    @property
-    def keeps_secondary(self) -> bool:
-        """Whether hpZ keeps a secondary shard (H > 1 and smaller than the shard group)."""
-        return 1 < self.secondary_size < self.shard_size
-
-    @property
-    def num_nodes(self) -> int:
-        return max(1, self.world_size // self.node_size)
-
-    @property
-    def shard_rank(self) -> int:
-        """This rank's place in its shard group (the shard it holds)."""
-        return self.rank % self.shard_size
-
-    @property
-    def replica_index(self) -> int:
-        """Which shard group this rank is in."""
-        return self.rank // self.shard_size
-
-    def shard_groups(self) -> list[list[int]]:
-        s = self.shard_size
-        return [list(range(r * s, (r + 1) * s)) for r in range(self.num_replicas)]
-
-    def replica_groups(self) -> list[list[int]]:
-        s = self.shard_size
-        return [list(range(i, self.world_size, s)) for i in range(s)]
-
-    def secondary_groups(self) -> list[list[int]]:
-        h = self.secondary_size
-        return [list(range(k * h, (k + 1) * h)) for k in range(self.world_size // h)]
-
-    def groups_of(self, label: str) -> list[list[int]]:
-        return {
-            SHARD: self.shard_groups,
-            REPLICA: self.replica_groups,
-            SECONDARY: self.secondary_groups,
-        }[label]()
-
-    def own_group(self, label: str) -> list[int]:
-        """The ranks of this rank's group of kind `label` ("world" for all ranks)."""
-        if label not in (SHARD, REPLICA, SECONDARY):
-            return list(range(self.world_size))
-        return next(g for g in self.groups_of(label) if self.rank in g)
-
-    def spans_nodes(self, ranks: list[int]) -> bool:
-        return len({r // self.node_size for r in ranks}) > 1
-
-    def crosses_nodes(self, label: str) -> bool:
-        """Whether this rank's group of kind `label` has ranks on more than one node."""
-        return self.spans_nodes(self.own_group(label))
-
-
 def check_sizes(world_size: int, node: NodeSize, shard_size: int, secondary_size: int) -> list[str]:
-    """What is wrong with these sizes (each message names the fix); empty when they fit.
+    """What the nodes cannot hold (each message names the fix); empty when they fit.
 
-    `shard_size` is the world size when sharding over all ranks. Pure: every rank
-    computes the same messages from the same numbers.
+    `shard_size` is the world size when sharding over all ranks. Whether the sizes divide
+    the world at all is `zerodp.parallel.size_problems`'s to say, checked first. Pure:
+    every rank computes the same messages from the same numbers.
     """
     problems = []
     nodes = node.ranks
@@ -168,13 +90,7 @@ def check_sizes(world_size: int, node: NodeSize, shard_size: int, secondary_size
             f"{NODE_SIZE_ENV} to the ranks per node"
         )
         return problems
-    if world_size % shard_size != 0:
-        problems.append(
-            f"zero_optimization.mics_shard_size {shard_size} does not divide the world size "
-            f"{world_size}: set it to a divisor of {world_size} (e.g. the ranks per node, "
-            f"{nodes}), or to -1 to shard over all ranks"
-        )
-    elif shard_size % nodes != 0 and nodes % shard_size != 0:
+    if world_size % shard_size == 0 and shard_size % nodes != 0 and nodes % shard_size != 0:
         first = next(
             start
             for start in range(0, world_size, shard_size)

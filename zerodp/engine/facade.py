@@ -17,18 +17,17 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp import managed
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
 from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.agreement import agreement
+from zerodp.comm.faults.uneven_inputs import Activity, whereabouts
 from zerodp.comm.group import comms_timeout, local_rank
-from zerodp.comm.whereabouts import Activity, whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
-from zerodp.engine.assembly import EngineCallbacks, Removable, assemble
+from zerodp.engine.assembly import Removable, assemble
 from zerodp.engine.checkpointing import CheckpointMethods
 from zerodp.engine.deepspeed_methods import (
     DeepSpeedEngineMethods,
@@ -39,6 +38,7 @@ from zerodp.engine.deepspeed_methods import (
 from zerodp.engine.join import JoinMethods
 from zerodp.engine.startup_checks import check_ranks_agree
 from zerodp.errors import LifecycleError, UsageError
+from zerodp.full_state import param_managers
 from zerodp.group import ParamStatus
 from zerodp.monitor.events import NON_FINITE_STEPS
 from zerodp.monitor.memory import ModelStateBytes, model_state_bytes, with_host_tensors
@@ -71,7 +71,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         ensure_process_group(config.comms_timeout_s)
-        managed.refuse_managed(module)
+        param_managers.refuse_managed(module)
         comm = Comm(stall_checks=config.comms_stall_checks)
         check_ranks_agree(comm, config, module)  # one small collective, before any other
         agreement().install(comm, comms_timeout(config.comms_timeout_s))
@@ -79,19 +79,13 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.module = module
         self._destroyed = False
         self.last_load_report: LoadReport | None = None  # what the last load restored
-        self._boundary_override: bool | None = None
-        self._no_sync_depth = 0
         self._init_join()
         parts = assemble(
             module,
             config,
             comm=comm,
             device=default_device(),
-            callbacks=EngineCallbacks(
-                on_forward_start=self._on_forward_start,
-                is_boundary=self._task_reduces_at_boundary,
-                prologue_scale=self._unscaled_backward_factor,
-            ),
+            on_forward_start=self._on_forward_start,
             model_parameters=model_parameters,
             user_optimizer=optimizer,
             lr_scheduler=lr_scheduler,
@@ -103,6 +97,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.device = parts.device
         self.strategy = parts.strategy
         self.precision = parts.precision
+        self.window = parts.window  # the accumulation window (see [Note: gradient factors])
         self.lifecycle = parts.lifecycle
         self.groups = parts.groups
         self.reducer = parts.reducer
@@ -131,7 +126,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         whereabouts().track(lambda: (state.global_steps, state.micro_steps))
         guards.mark_own_optimizer(self.optimizer)
         guards.mark_own_optimizer(self.optimizer.inner)
-        managed.register(self, self.groups.params)
+        param_managers.register(self, self.groups.params)
 
     # -- lifecycle callbacks -------------------------------------------------------------
 
@@ -141,20 +136,6 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
             self.ensure_no_stale_backward()
             self._announce_round(args, kwargs)  # inside engine.join() only
             agreement().begin(Activity.FORWARD)  # see [Note: agreeing before a collective]
-
-    def _unscaled_backward_factor(self) -> float:
-        """What a backward's gradients are multiplied by when its loss was not `scale()`d.
-
-        What `scale()` would have multiplied the loss by (1 / accumulation steps,
-        times the fp16 loss scale), so that every call style gives the same
-        gradients, as in DeepSpeed. A task whose loss came from `scale()` is
-        marked by a hook on that loss (see `scale`) and gets 1.
-        """
-        return self.optimizer.loss_scaler.scale / self.gradient_accumulation_steps()
-
-    def _task_reduces_at_boundary(self) -> bool:
-        """Whether a backward starting now is the window's last (its sums are reduced)."""
-        return self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
 
     def ensure_no_stale_backward(self) -> None:
         """Abort a backward that ended in an exception (its epilogue will never come)."""
@@ -172,28 +153,21 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
     def scale(
         self, loss: torch.Tensor, retain_graph: bool | None = None, *, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
-        """The loss as backward should see it: divided by the accumulation steps (unless
-        `scale_wrt_gas=False`), and multiplied by the fp16 loss scale (the optimizer step
-        divides it out again).
+        """The loss as backward should start from it: multiplied by the fp16 loss scale
+        (the optimizer step divides it out again); the loss itself without fp16.
 
-        The returned tensor carries a hook that tells the backward running through it
-        that its loss is scaled already, however often (or never) it is run.
+        Every backward's gradients are divided by the accumulation steps as they arrive,
+        however the loss was built (see [Note: gradient factors]); with
+        `scale_wrt_gas=False` a backward run from the returned loss is not divided.
+        Under fp16 a backward must start from the returned loss itself
+        (`engine.scale(a + b).backward()`): one that reaches it from another tensor
+        raises, since part of its gradient would miss the scale.
         `retain_graph` is accepted for DeepSpeed's signature; zerodp needs no hint.
         """
         self.gate.ensure_no_stale_backward("engine.scale()")
         self.gate.refuse_if_blocked("engine.scale()")
         check_loss(loss, "engine.scale()")
-        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
-        factor = self.optimizer.loss_scaler.scale / gas
-        if factor == 1.0 and scale_wrt_gas:
-            return loss
-        scaled = loss * factor
-        if scaled.requires_grad:
-            scaled.register_hook(self.lifecycle.hook(self._mark_task_scaled))
-        return scaled
-
-    def _mark_task_scaled(self, grad: torch.Tensor) -> None:
-        self.reducer.mark_task_scaled()
+        return self.window.scale(loss, divided=scale_wrt_gas)
 
     def backward(
         self,
@@ -207,11 +181,11 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         """Run backward on `scale(loss)`; returns `loss`.
 
         The same as `engine.scale(loss).backward(...)`, or a plain
-        `loss.backward()`: every call style divides by the accumulation steps. With
-        `scale_wrt_gas=False` the gradients are not divided. `create_graph` and
-        `inputs` go to `torch.Tensor.backward`; `release_loss` is accepted for
-        DeepSpeed's signature. At an eigenvalue boundary the graph is kept for the
-        estimate `step()` makes.
+        `loss.backward()`: every call style divides by the accumulation steps (see
+        [Note: gradient factors]). With `scale_wrt_gas=False` the gradients are not
+        divided. `create_graph` and `inputs` go to `torch.Tensor.backward`;
+        `release_loss` is accepted for DeepSpeed's signature. At an eigenvalue
+        boundary the graph is kept for the estimate `step()` makes.
         """
         self.gate.ensure_no_stale_backward("engine.backward()")
         self.gate.refuse_if_blocked("engine.backward()")
@@ -259,7 +233,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         gradients add up across every backward until then, as in PyTorch.
         """
         state = self.train_state
-        if self.is_gradient_accumulation_boundary() and self._no_sync_depth > 0:
+        if self.is_gradient_accumulation_boundary() and self.window.no_sync_depth > 0:
             self.gate.ensure_no_stale_backward("engine.step()")
             raise LifecycleError(
                 "step() at an accumulation boundary inside engine.no_sync(): the "
@@ -361,9 +335,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         Counted from the micro-steps, unless `set_gradient_accumulation_boundary()`
         decided it.
         """
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.window.is_boundary()
 
     @property
     def loss_scale(self) -> float:
@@ -436,7 +408,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.params.teardown()
         for param in self.groups.params:
             param.grad = None
-        managed.unregister(self.groups.params)
+        param_managers.unregister(self.groups.params)
         self.reporter.close()
         if self._offload_storage is not None:
             self._offload_storage.close()  # NVMe files are private to the run: removed

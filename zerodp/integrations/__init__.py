@@ -13,7 +13,9 @@ lightning:
   Trainer subclass (TRL's `SFTTrainer`, `DPOTrainer`, `GRPOTrainer`), with
   `post_training` for their reference models, generation and PEFT adapters
   (`pip install zerodp[trl]`); `trainer_config` fills a DeepSpeed-style
-  config's "auto" values from `TrainingArguments`.
+  config's "auto" values from `TrainingArguments`; `trainer_optimizers` and
+  `trainer_saving` hold what `ZeroDPTrainer` takes over from the Trainer's
+  optimizer set-up and its saving.
 - `zerodp.integrations.lightning`: `ZeroDPStrategy`, a Lightning strategy
   (`pip install zerodp[lightning]`).
 - Accelerate: a recipe, not a module (docs/integrations.md): Accelerate

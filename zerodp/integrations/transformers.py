@@ -72,7 +72,6 @@ subclass's own signature (TRL's `ref_model=`, `reward_funcs=`) does not.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -89,12 +88,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 
 import zerodp
 from zerodp.errors import CheckpointError, ConfigError, ConfigWarning, UsageError
-from zerodp.integrations.post_training import (
-    PostTrainingParts,
-    adapter_state_dict,
-    is_peft_model,
-    refuse_unsupported_post_training,
-)
+from zerodp.integrations.post_training import PostTrainingParts, refuse_unsupported_post_training
 from zerodp.integrations.trainer_config import (
     TrainerValues,
     read_config,
@@ -102,9 +96,9 @@ from zerodp.integrations.trainer_config import (
     trainer_config,
 )
 from zerodp.integrations.trainer_factory import SubclassFactory
+from zerodp.integrations.trainer_optimizers import TrainerOptimizers
+from zerodp.integrations.trainer_saving import TrainerSaving
 from zerodp.integrations.trainer_views import EngineOptimizer, EngineScheduler
-
-logger = logging.getLogger("zerodp")
 
 # The Trainer's own methods this subclass replaces; without one of them the Trainer would
 # prepare, step or save the model itself, so an import against another layout fails here.
@@ -134,20 +128,16 @@ if _missing:  # pragma: no cover - depends on the installed transformers
 
 __all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer", "with_zerodp"]
 
-# Schedulers the Trainer steps with a metric after evaluation; the engine steps without one.
-_METRIC_SCHEDULERS = frozenset({"reduce_lr_on_plateau", "greedy"})
-# Optimizers that update inside backward (LOMO) and cannot step flat shards.
-_UNSUPPORTED_OPTIM = frozenset({"lomo", "adalomo"})
 
-
-class ZeroDPTrainer(Trainer):
+class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
     """A `transformers.Trainer` whose model is trained by a zerodp engine.
 
     Takes the Trainer's arguments plus `zerodp_config`: a DeepSpeed-style
     config (a dict or a JSON path) whose "auto" values are filled from the
     TrainingArguments (see `zerodp.integrations.trainer_config`). Launch with
     torchrun, one process per device. `self.engine` is the `ZeroEngine` once
-    `train()` has built it.
+    `train()` has built it. The optimizer and scheduler it hands zerodp come
+    from `TrainerOptimizers`; checkpoints and `save_model` are `TrainerSaving`'s.
     """
 
     def __init__(
@@ -271,92 +261,6 @@ class ZeroDPTrainer(Trainer):
             raise UsageError("ZeroDPTrainer has no model: pass model= or model_init=")
         return self.model
 
-    def _engine_optimizer(self, config: dict[str, Any]) -> tuple[Any, Any]:
-        """(optimizer= , model_parameters=) for zerodp.initialize."""
-        given = self._given_optimizer
-        if "optimizer" in config:
-            if given is not None:
-                raise ConfigError(
-                    "zerodp_config has an 'optimizer' block and the Trainer was given "
-                    "optimizers=(optimizer, ...): remove one of them"
-                )
-            return None, None
-        if given is not None:
-            return given, None
-        if _name(self.args.optim) in _UNSUPPORTED_OPTIM:
-            raise ConfigError(
-                f"optim={_name(self.args.optim)!r} updates the weights inside backward, which "
-                "zerodp cannot do on sharded parameters; use adamw_torch or an 'optimizer' block"
-            )
-        if self.optimizer_cls_and_kwargs is not None:
-            cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)  # type: ignore[arg-type]
-        builds_own_groups = {"params", "model", "optimizer_dict"} & set(kwargs)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or (
-            builds_own_groups
-        ):
-            raise ConfigError(
-                f"optim={_name(self.args.optim)!r} builds its own parameter groups or several "
-                "optimizers, which zerodp cannot lay out; use a torch optimizer (adamw_torch, "
-                "adafactor, sgd, ...) or an 'optimizer' block in zerodp_config (\"Muon\" too)"
-            )
-        kwargs = dict(kwargs)
-
-        def build(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-            return cls(groups, **kwargs)
-
-        return build, self._weight_decay_groups()
-
-    def _weight_decay_groups(self) -> list[dict[str, Any]]:
-        """The Trainer's two param groups: weight decay, and none for biases and norms."""
-        model = self._module()
-        decay = set(self.get_decay_parameter_names(model))
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        groups = [
-            {
-                "params": [p for n, p in trainable if n in decay],
-                "weight_decay": self.args.weight_decay,
-            },
-            {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0},
-        ]
-        return [group for group in groups if group["params"]]
-
-    def _engine_scheduler(self, config: dict[str, Any], num_training_steps: int) -> Any:
-        """lr_scheduler= for zerodp.initialize: None for the config's block, else a scheduler."""
-        if "scheduler" in config:
-            if self._given_scheduler is not None:
-                raise ConfigError(
-                    "zerodp_config has a 'scheduler' block and the Trainer was given "
-                    "optimizers=(..., lr_scheduler): remove one of them"
-                )
-            return None
-        if self._given_scheduler is not None:
-            return self._given_scheduler
-        if _name(self.args.lr_scheduler_type) in _METRIC_SCHEDULERS:
-            raise ConfigError(
-                f"lr_scheduler_type={_name(self.args.lr_scheduler_type)!r} steps on an evaluation "
-                "metric, which the engine's step does not have; use another schedule"
-            )
-
-        def build(optimizer: torch.optim.Optimizer) -> Any:
-            # On the torch optimizer inside zerodp's: the engine calls its step(), so torch's
-            # "lr_scheduler.step() before optimizer.step()" check sees the steps.
-            inner = getattr(optimizer, "inner", optimizer)
-            self.lr_scheduler = None  # create_scheduler builds only when there is none
-            return self.create_scheduler(num_training_steps, optimizer=inner)
-
-        return build
-
-    def create_optimizer(self, model: nn.Module | None = None) -> Any:
-        """The engine's optimizer view; zerodp builds the optimizer itself, at train()."""
-        if self.engine is None:
-            raise UsageError(
-                "ZeroDPTrainer builds its optimizer inside zerodp at train(); pass "
-                "optimizers=(...) or an 'optimizer' block in zerodp_config to choose it"
-            )
-        return self.optimizer
-
     # -- the training step -----------------------------------------------------------
 
     def _require_engine(self) -> zerodp.ZeroEngine:
@@ -396,60 +300,6 @@ class ZeroDPTrainer(Trainer):
         norm = self.engine.get_global_grad_norm() if self.engine is not None else grad_norm
         super()._maybe_log_save_evaluate(tr_loss, norm, *args, **kwargs)
 
-    # -- checkpoints and saving --------------------------------------------------------
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine's sharded checkpoint (model, optimizer, scheduler, counters)."""
-        self._require_engine().save_checkpoint(output_dir)
-
-    def _save_scaler(self, output_dir: str) -> None:
-        """The fp16 loss scale travels in the engine's checkpoint."""
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """Weights are restored with the engine's checkpoint in `_prepare_for_training`."""
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Restored with the engine's checkpoint."""
-
-    def _load_scaler(self, checkpoint: str | None) -> None:
-        """Restored with the engine's checkpoint."""
-
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        logger.info("loading the best model from %s", best)
-        self._require_engine().load_checkpoint(best, load_module_only=True)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the model for `from_pretrained`: config.json and safetensors weights.
-
-        A collective: every rank calls it (the Trainer does, at checkpoints).
-        Before `train()` built the engine, the Trainer's own saving applies.
-        """
-        if self.engine is None:
-            super().save_model(output_dir, _internal_call)
-            return
-        self._write_hf_model(output_dir or str(self.args.output_dir))
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def _write_hf_model(self, output_dir: str) -> None:
-        """Gather the full weights (group by group) and let rank 0 `save_pretrained` them.
-
-        HF key names, tied weights written once (save_pretrained drops the tied
-        duplicates), the training dtype. Rank 0 holds the whole model once; a
-        streaming writer can replace this one function. A PEFT model gathers
-        only its adapter's tensors, and `PeftModel.save_pretrained` writes
-        adapter_config.json and adapter_model.safetensors from them.
-        """
-        engine = self._require_engine()
-        rank0_only = not self.args.save_on_each_node
-        model = self._module()
-        if is_peft_model(model):
-            state_dict = adapter_state_dict(model, keep=not rank0_only or engine.global_rank == 0)
-        else:
-            state_dict = engine.state_dict(rank0_only=rank0_only)
-        self._save(output_dir, state_dict=state_dict)  # tied names share one tensor
-
     @property
     def frozen_engines(self) -> tuple[zerodp.ZeroEngine, ...]:
         """The frozen engines of the models this trainer prepared for evaluation (stage 3)."""
@@ -465,11 +315,6 @@ class ZeroDPTrainer(Trainer):
         if self.engine is not None:
             self.engine.destroy()
         self.engine = None
-
-
-def _name(choice: Any) -> str:
-    """The string of a TrainingArguments choice (an enum member or a plain string)."""
-    return str(getattr(choice, "value", choice))
 
 
 # -- any Trainer subclass ---------------------------------------------------------------------

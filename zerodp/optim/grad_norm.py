@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from zerodp.comm import Comm
+from zerodp.comm.subgroups import GroupComms
+
+
+@dataclass(frozen=True)
+class NormReduction:
+    """The groups a squared norm is summed over so that each gradient element counts once.
+
+    Asked of the parallel dims (rule 2 of [Note: parallel dimensions] in
+    `zerodp.parallel.dims`), never decided here.
+    """
+
+    sum_over: tuple[Comm, ...] = ()
+
+    @classmethod
+    def of(cls, comms: GroupComms, *, sharded: bool, tensor_split: bool = False) -> NormReduction:
+        """For gradients this rank holds a shard of (`sharded`) or the whole of, of
+        tensor-parallel slices (`tensor_split`) or of whole tensors."""
+        labels = comms.dims.norm_sum_groups(sharded=sharded, tensor_split=tensor_split)
+        found = (comms.of(label) for label in labels)
+        return cls(tuple(comm for comm in found if comm is not None))
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -18,12 +39,12 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Ten
 
 
 def global_grad_norm(
-    grads: list[torch.Tensor], comm: Comm, sharded: bool, device: torch.device | None = None
+    grads: list[torch.Tensor], reduction: NormReduction, device: torch.device | None = None
 ) -> torch.Tensor:
     """The 2-norm of the full gradient; `grads` are this rank's (padded with zeros) pieces.
 
-    When the pieces are shards (`sharded`), squared norms are summed over ranks;
-    when every rank holds the whole gradient, no communication is needed.
+    Squared norms are summed over the groups `reduction` names (none when every rank
+    holds the whole gradient: no communication then).
     Returns a 0-d fp32 tensor on `device` (default: the first gradient's), without a
     host synchronisation when every gradient is on that device.
     """
@@ -35,7 +56,7 @@ def global_grad_norm(
         norms = torch._foreach_norm(tensors, 2)
         squares.append(torch.stack([n.float() for n in norms]).square().to(target))
     total_sq = torch.cat(squares).sum()
-    if sharded:
+    for comm in reduction.sum_over:
         comm.all_reduce(total_sq)
     return total_sq.sqrt()
 

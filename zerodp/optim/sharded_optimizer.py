@@ -24,11 +24,16 @@ from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm
 from zerodp.comm.agreement import agreement
-from zerodp.comm.whereabouts import Activity
+from zerodp.comm.faults.uneven_inputs import Activity
 from zerodp.group import GroupState
-from zerodp.optim.grad_norm import clip_by_global_norm, global_grad_norm, scale_grads
+from zerodp.optim.grad_norm import (
+    NormReduction,
+    clip_by_global_norm,
+    global_grad_norm,
+    scale_grads,
+)
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
-from zerodp.optim.parts import OptimizerParts
+from zerodp.optim.torch_optimizers import TorchOptimizers
 from zerodp.precision.loss_scaler import LossScaler
 from zerodp.torch_internals import init_optimizer_hook_dicts, mark_optimizer_stepped
 from zerodp.train_state import TrainState
@@ -47,38 +52,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     `Optimizer.__init__` is not called: this object has no parameters of its
     own, only the inner optimizer's groups (the one torch optimizer, or an
-    `OptimizerChain` over several), which hold what the parts step.
+    `OptimizerChain` over several), which hold what its members step.
     """
 
     def __init__(
         self,
-        parts: OptimizerParts,
+        torch_optimizers: TorchOptimizers,
         *,
         reducer: GradientReducer,
-        comm: Comm,
+        norm: NormReduction,
         states: list[GroupState],
-        sharded_grads: bool,
         params: ParamPublisher,
         model_params: list[nn.Parameter],
         gradient_clipping: float,
         gate: StepGate,
         train_state: TrainState,
+        comm: Comm,
         loss_scaler: LossScaler | None = None,
         offload: OffloadedSteps | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.parts = parts
-        self.inner = parts.inner
-        self.defaults = parts.inner.defaults
+        self.torch_optimizers = torch_optimizers
+        self.inner = torch_optimizers.inner
+        self.defaults = torch_optimizers.inner.defaults
         self._reducer = reducer
-        self._comm = comm
+        self._norm = norm
         self._states = states
-        self._sharded_grads = sharded_grads
         self._params = params
         self._model_params = model_params
         self.gradient_clipping = gradient_clipping
         self._gate = gate
         self._train_state = train_state
+        self._comm = comm  # the world's, for the agreement before a step
         self.loss_scaler = loss_scaler or LossScaler.none()
         self._offload = offload
         self._device = device
@@ -169,7 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scaler = self.loss_scaler
         if scaler.scale != 1.0 and grads:
             scale_grads(grads, 1.0 / scaler.scale)
-        norm = global_grad_norm(grads, self._comm, sharded=self._sharded_grads, device=self._device)
+        norm = global_grad_norm(grads, self._norm, device=self._device)
         self.last_grad_norm = norm
         self.last_step_skipped = False
         if scaler.checks_overflow:
@@ -186,13 +191,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._drop_grads()
             return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
-        for part in self.parts.elementwise:
+        for member in self.torch_optimizers.elementwise:
             if self._offload is not None:
-                self._offload.step(part.optimizer, part.states)
+                self._offload.step(member.optimizer, member.states)
             else:
-                part.optimizer.step()
-        if self.parts.tensorwise is not None:
-            self.parts.tensorwise.step(self.parts.tensorwise_optimizers)
+                member.optimizer.step()
+        whole = self.torch_optimizers.tensorwise
+        if whole is not None:
+            whole.step(self.torch_optimizers.tensorwise_optimizers)
         mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()

@@ -2,8 +2,7 @@
 
 The coordinator decides for every sharded group (`GroupState.gather`) and is
 told what happens by the module hooks (`zerodp.params.module_hooks`), the
-saved-tensor hooks, the parameters themselves (`ZeroParameter`) and the
-backward lifecycle:
+parameters themselves (`ZeroParameter`) and the backward lifecycle:
 
 - forward: a module's groups are gathered before it runs and held until it
   returns; a group the module uses that belongs to another module (a parent
@@ -21,43 +20,33 @@ backward lifecycle:
   when it is done, in forward and in backward; when its backward is done,
   `settle` tells the reducer that its groups' gradients are all in.
 
-Only groups nobody holds are released. `live_numel` counts gathered
-elements (kept by `_count_in`/`_release`, the only places that change a
-group's allocation); `peak_live_numel` is its maximum since `reset_peak()`.
+It joins three parts, each with its own module: `GroupGatherer` (issuing,
+waiting for, releasing and holding gathers, and what is live),
+`ForwardScopes` (the forward scopes running now, what each holds and claims,
+their saving windows) and `ModuleGroups` (which groups each module gathers).
+What stays here is the passes: their beginning and end, the recorded order of
+each kind of pass (`forward_trace`, `backward_trace`) and the rules for what a
+pass keeps gathered (reuse within `stage3_max_reuse_distance`, the head of the
+backward about to follow).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from zerodp.backward import autograd_api
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.errors import ParamStateError
-from zerodp.group import GatherState, GroupIndex, GroupState, ParamStatus
-from zerodp.params.leaf import LeafPlan
+from zerodp.group import GroupIndex, GroupState, ParamStatus
+from zerodp.params.forward_scopes import ForwardScopes
+from zerodp.params.gatherer import GroupGatherer
+from zerodp.params.module_groups import ModuleGroups
 from zerodp.params.prefetch import ExecutionTrace
-from zerodp.torch_internals import same_tensor_view, storage_key
-
-
-@dataclass
-class _Scope:
-    module: nn.Module
-    in_backward: bool
-    held: list[GroupState] = field(default_factory=list)
-    saving: bool = False  # this scope installed the saved-tensor hooks
-
-
-class SavingWindows(Protocol):
-    """The saved-tensor hooks, as forward scopes install them ([Note: saving windows])."""
-
-    def push_if_possible(self) -> bool: ...
-
-    def pop(self) -> None: ...
+from zerodp.torch_internals import same_tensor_view
 
 
 class LeafGradients(Protocol):
@@ -73,80 +62,37 @@ def _numel_of(state: GroupState) -> int:
 
 
 class ParamCoordinator:
-    """Gathers and releases the sharded groups of one engine, prefetching in recorded order."""
+    """Decides when the sharded groups of one engine are gathered and released."""
 
     def __init__(
         self,
         index: GroupIndex,
-        module_groups: dict[nn.Module, list[GroupState]],
+        gatherer: GroupGatherer,
+        scopes: ForwardScopes,
+        module_groups: ModuleGroups,
         *,
-        prefetch_numel: int,
-        max_live_numel: int,
+        order: CollectiveOrder | None,
         max_reuse_distance: int = 0,
-        root: nn.Module | None = None,
         gradients: LeafGradients | None = None,
     ) -> None:
         self.index = index
-        self.states = index.sharded
-        self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
+        self.gatherer = gatherer
+        self.scopes = scopes
+        self.module_groups = module_groups
+        self.order = order  # checks every pass's collectives, if set
         self.max_reuse_distance = max_reuse_distance
-        self._by_storage = {storage_key(s.flat.full): s for s in self.states}
-        self._module_groups = {m: list(states) for m, states in module_groups.items()}
-        self.leaves = LeafPlan(
-            root if root is not None else nn.Module(),
-            self._module_groups,
-            on_change=gradients.hold_back if gradients is not None else None,
-        )
         self._gradients = gradients
-        self.order: CollectiveOrder | None = None  # checks every gather's place, if set
-        self.windows: SavingWindows | None = None  # the saved-tensor hooks, once installed
-        self._external: dict[nn.Module, list[GroupState]] = {}
-        self._scopes: list[_Scope] = []
-        self.live_numel = 0
-        self.peak_live_numel = 0
-        self.num_prefetched = 0  # groups gathered ahead of their use
         self.forward_trace: ExecutionTrace[GroupState] = ExecutionTrace(_numel_of)
         self.backward_trace: ExecutionTrace[GroupState] = ExecutionTrace(_numel_of)
         self._backward_head: set[GroupState] = set()  # groups the backward uses first
-
-    # -- queries -------------------------------------------------------------------
-
-    def state_of_storage(self, key: int) -> GroupState | None:
-        """The sharded group whose full buffer has this storage (see `storage_key`)."""
-        return self._by_storage.get(key)
-
-    def groups_of_module(self, module: nn.Module) -> list[GroupState]:
-        """The groups gathered for `module`: its own (a leaf's whole subtree's), and those
-        of other modules it was seen using."""
-        if self.leaves.is_leaf(module):
-            direct = self.leaves.subtree_groups(module)
-        else:
-            direct = self._module_groups.get(module, [])
-        external = self._external.get(module)
-        return direct + external if external else direct
-
-    def owns_groups(self, module: nn.Module) -> bool:
-        """Whether `module` has sharded groups of its own (a unit: its subtree's)."""
-        return bool(self._module_groups.get(module))
-
-    def has_groups(self, module: nn.Module) -> bool:
-        if self._external.get(module):
-            return True
-        if self.leaves.is_leaf(module):
-            return bool(self.leaves.subtree_groups(module))
-        return bool(self._module_groups.get(module))
-
-    def reset_peak(self) -> None:
-        self.peak_live_numel = self.live_numel
 
     # -- forward -------------------------------------------------------------------
 
     def begin_forward(self) -> None:
         if self.order is not None:
             self.order.begin("forward")
-        self.release_unheld()  # what a forward kept for a backward that never came
-        self._set_forward_pass(True)
+        self.gatherer.release_unheld()  # what a forward kept for a backward that never came
+        self.scopes.begin_pass()
         self.forward_trace.begin_pass()
         self._backward_head = self._first_backward_groups()
 
@@ -163,10 +109,10 @@ class ParamCoordinator:
         # Until a backward has been recorded, expect it to run the forward in reverse, so
         # that the first backward prefetches like every later one.
         self.backward_trace.seed(self.forward_trace.recorded[::-1])
-        for state in self.states:
+        for state in self.gatherer.states:
             if not (backward_follows and self._keeps_for_backward(state, ahead=0)):
-                self._release(state)
-        self._set_forward_pass(False)
+                self.gatherer.release(state)
+        self.scopes.end_pass()
         if self.order is not None:
             self.order.end()
 
@@ -177,14 +123,9 @@ class ParamCoordinator:
             self.order.fail(error)
         self.abort()
 
-    def release_unheld(self) -> None:
-        """Release every group nobody holds (before an optimizer step, for instance)."""
-        for state in self.states:
-            self._release(state)
-
     def _first_backward_groups(self) -> set[GroupState]:
         kept: set[GroupState] = set()
-        budget = self.prefetch_numel
+        budget = self.gatherer.prefetch_numel
         for state in self.backward_trace.recorded:
             if budget <= 0:
                 break
@@ -194,22 +135,20 @@ class ParamCoordinator:
         return kept
 
     def pre_forward(self, module: nn.Module) -> None:
-        scope = _Scope(module, in_backward=autograd_api.in_backward())
-        self._scopes.append(scope)
+        scope = self.scopes.enter(module, in_backward=autograd_api.in_backward())
         trace = self.backward_trace if scope.in_backward else self.forward_trace
-        for state in self.groups_of_module(module):
-            self._gather(state, trace)
+        for state in self.module_groups.gathered_for(module):
+            self.gatherer.gather(state, trace)
             if not scope.in_backward:
-                self._hold_for(scope, state)
+                self.scopes.claim(scope, state)
 
     def post_forward(self, module: nn.Module) -> None:
-        if not self._scopes or self._scopes[-1].module is not module:
-            # A forward raised part-way and left scopes behind: drop them.
-            self._unwind_to(module)
-        if not self._scopes:
+        for abandoned in self.scopes.unwind_to(module):  # a forward raised part-way
+            for state in abandoned.held:
+                self.gatherer.release(state)
+        scope = self.scopes.leave()
+        if scope is None:
             return
-        scope = self._scopes.pop()
-        self._close(scope)
         for state in scope.held:
             self._release_unless_reused(state, self.forward_trace)
 
@@ -221,17 +160,17 @@ class ParamCoordinator:
         self.backward_trace.begin_pass()
 
     def pre_backward(self, module: nn.Module) -> None:
-        for state in self.groups_of_module(module):
-            self._gather(state, self.backward_trace)
+        for state in self.module_groups.gathered_for(module):
+            self.gatherer.gather(state, self.backward_trace)
 
     def post_backward(self, module: nn.Module) -> None:
-        for state in self.groups_of_module(module):
+        for state in self.module_groups.gathered_for(module):
             self._release_unless_reused(state, self.backward_trace)
 
     def end_leaf_backward(self, leaf: nn.Module) -> None:
         """The backward of leaf `leaf` is done: its groups' gradients are in, they can go."""
         if self._gradients is not None:
-            self._gradients.settle(self.leaves.subtree_groups(leaf))
+            self._gradients.settle(self.module_groups.leaves.subtree_groups(leaf))
         self.post_backward(leaf)
 
     def on_grads_complete(self, state: GroupState) -> None:
@@ -242,11 +181,11 @@ class ParamCoordinator:
         group early, another never).
         """
         if state.gather is not None:
-            self._release(state)
+            self.gatherer.release(state)
 
     def end_backward(self) -> None:
         self.backward_trace.end_pass()
-        self.release_unheld()
+        self.gatherer.release_unheld()
 
     def end_backward_order(self) -> None:
         """The task's last collective (the reducer's, at its end) is issued: the pass is over."""
@@ -255,38 +194,36 @@ class ParamCoordinator:
 
     def abort(self) -> None:
         """A forward or backward died part-way: release everything, forget all scopes."""
-        while self._scopes:
-            self._close(self._scopes.pop())
-        for state in self.states:
-            state.sharded_gather.drop_holds()
-        self._set_forward_pass(False)
-        self.release_unheld()
+        self.scopes.close_all()
+        self.gatherer.drop_holds()
+        self.scopes.end_pass()
+        self.gatherer.release_unheld()
         if self.order is not None:
             self.order.abandon()
 
-    # -- gathering on use ------------------------------------------------------------
+    # -- gathering on use (the `ParamOwner` of every sharded parameter) -------------------
 
     def before_use(self, param: nn.Parameter, func: Callable[..., Any]) -> None:
         """A torch operation is about to read `param` (called by ZeroParameter)."""
         state = self.index.state_of(param)
         if state is None or state.gather is None:
             return
+        scope = self.scopes.innermost
         if state.gather.status is ParamStatus.AVAILABLE:
             # Gathered but guarded: a forward is running and no scope claims it (a group
             # kept for reuse, prefetched, or held by GatheredParameters). The running scope
             # claims it; nothing is gathered, so nothing changes the next forward's plan.
-            if not state.gather.claims and self._scopes and not self._scopes[-1].in_backward:
-                self._hold_for(self._scopes[-1], state)
+            if not state.gather.claims and scope is not None and not scope.in_backward:
+                self.scopes.claim(scope, state)
             return
-        if self._scopes:
-            scope = self._scopes[-1]
-            self._gather(state, trace=None)
+        if scope is not None:
+            self.gatherer.gather(state)
             if not scope.in_backward:
-                self._hold_for(scope, state)
-                self._remember_external(scope.module, state)
+                self.scopes.claim(scope, state)
+                self.module_groups.remember_use(scope.module, state)
             return
         if autograd_api.in_backward():
-            self._gather(state, trace=None)
+            self.gatherer.gather(state)
             return
         name = state.names[state.flat.position_of(param)]
         raise ParamStateError(
@@ -309,94 +246,17 @@ class ParamCoordinator:
             "zerodp.zero.load_state_dict(model, ...)"
         )
 
-    def ensure_available_for_unpack(self, state: GroupState) -> None:
-        """Autograd unpacks a saved tensor that shares `state`'s full storage."""
-        if state.sharded_gather.status is not ParamStatus.AVAILABLE:
-            self._gather(state, trace=None)
-
-    # -- held blocks (GatheredParameters) ---------------------------------------------
-
     def group_of(self, param: nn.Parameter) -> GroupState | None:
         state = self.index.state_of(param)
         return state if state is not None and state.gather is not None else None
 
     def hold(self, state: GroupState) -> None:
-        self._gather(state, trace=None)
-        state.sharded_gather.hold()
+        self.gatherer.hold(state)
 
     def unhold(self, state: GroupState) -> None:
-        state.sharded_gather.unhold()
-        self._release(state)
+        self.gatherer.unhold(state)
 
-    def hold_all(self, states: list[GroupState]) -> None:
-        """Gather `states` with every gather in flight at once, then hold each.
-
-        Callers pass groups in the same order on every rank (group order), as they
-        would for `hold`; `unhold_all` undoes it.
-        """
-        for state in states:
-            gather = state.sharded_gather
-            if gather.status is ParamStatus.NOT_AVAILABLE:
-                self._issue(state, gather)
-        for state in states:
-            state.sharded_gather.to_available()
-            state.sharded_gather.hold()
-
-    def unhold_all(self, states: list[GroupState], release: bool = True) -> None:
-        """Drop one hold of each group; with `release`, release those nobody holds now."""
-        for state in states:
-            state.sharded_gather.unhold()
-            if release:
-                self._release(state)
-
-    def prefetch(self, state: GroupState) -> None:
-        """Start gathering `state` without waiting for it (`hold_all` waits)."""
-        gather = state.sharded_gather
-        if gather.status is ParamStatus.NOT_AVAILABLE:
-            self._issue(state, gather)
-            self.num_prefetched += 1
-
-    def release(self, state: GroupState) -> None:
-        """Release `state` unless someone holds it (a gather in flight is finished first)."""
-        self._release(state)
-
-    def gather_all(self) -> None:
-        """Gather every group (the engine is being torn down, parameters become whole)."""
-        for state in self.states:
-            self._gather(state, trace=None)
-
-    # -- internals -----------------------------------------------------------------
-
-    def _gather(self, state: GroupState, trace: ExecutionTrace[GroupState] | None) -> None:
-        gather = state.sharded_gather
-        if gather.status is ParamStatus.NOT_AVAILABLE:
-            self._issue(state, gather)
-        if trace is not None and trace.request(state):
-            self._prefetch(trace)
-        gather.to_available()
-
-    def _prefetch(self, trace: ExecutionTrace[GroupState]) -> None:
-        """Gather the groups due within the next `stage3_prefetch_bucket_size` elements.
-
-        The window counts every upcoming use, gathered already or not: counting
-        only the groups still to gather would reach one window further at every
-        request, and the gathered set would grow through the whole pass. Only the
-        part of the window beyond what an earlier request of this pass looked at
-        (`trace.frontier`) is new: a group before it was issued then, or was
-        gathered already (one released since is gathered on use).
-        """
-        end = trace.window_end(self.prefetch_numel)
-        index = max(trace.position, trace.frontier)
-        while index < end:
-            state = trace.item(index)
-            gather = state.sharded_gather
-            if gather.status is ParamStatus.NOT_AVAILABLE:
-                if self.live_numel + gather.numel > self.max_live_numel:
-                    break  # over the live cap: the next request looks here again
-                self._issue(state, gather)
-                self.num_prefetched += 1
-            index += 1
-        trace.frontier = index
+    # -- what a pass keeps gathered ----------------------------------------------------
 
     def _keeps_for_backward(self, state: GroupState, ahead: int) -> bool:
         """Whether the backward about to follow starts with `state` (so it stays gathered).
@@ -407,8 +267,8 @@ class ParamCoordinator:
         """
         return (
             state in self._backward_head
-            and self.live_numel <= self.max_live_numel
-            and ahead <= self.prefetch_numel
+            and not self.gatherer.over_live_cap
+            and ahead <= self.gatherer.prefetch_numel
         )
 
     def _release_unless_reused(self, state: GroupState, trace: ExecutionTrace[GroupState]) -> None:
@@ -418,8 +278,8 @@ class ParamCoordinator:
         twice would otherwise be gathered once per use; the distance counts the
         elements other groups gather in between. The pass's end releases it.
         """
-        if self.live_numel > self.max_live_numel:
-            self._release(state)  # over stage3_max_live_parameters: keep nothing extra
+        if self.gatherer.over_live_cap:
+            self.gatherer.release(state)  # over stage3_max_live_parameters: keep nothing extra
             return
         distance = trace.reuse_distance(state)
         if distance is not None and distance <= self.max_reuse_distance:
@@ -430,63 +290,4 @@ class ParamCoordinator:
             and self._keeps_for_backward(state, trace.weight_ahead())
         ):
             return  # the forward is ending and its backward starts with this group
-        self._release(state)
-
-    def _release(self, state: GroupState) -> None:
-        gather = state.sharded_gather
-        if gather.releasable:
-            # `param.data = t` while gathered would leave the parameter holding `t` after
-            # the release, and every later gather would fill a buffer it no longer views.
-            state.flat.drop_replaced()
-        if gather.release_if_unused():
-            self.live_numel -= gather.numel
-
-    def _issue(self, state: GroupState, gather: GatherState) -> None:
-        """Start gathering `state` (its place in the collective order checked first)."""
-        if self.order is not None:
-            # hpZ: which group the gather runs in is part of its place in the order.
-            operation = "gather secondary" if gather.gathers_from_secondary else "gather"
-            self.order.note(operation, state.order)
-        self._count_in(gather)
-        gather.to_inflight()
-
-    def _count_in(self, gather: GatherState) -> None:
-        self.live_numel += gather.numel
-        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
-
-    def _remember_external(self, module: nn.Module, state: GroupState) -> None:
-        if state in self._module_groups.get(module, []):
-            return
-        external = self._external.setdefault(module, [])
-        if state not in external:
-            external.append(state)
-
-    def _unwind_to(self, module: nn.Module) -> None:
-        while self._scopes and self._scopes[-1].module is not module:
-            scope = self._scopes.pop()
-            self._close(scope)
-            for state in scope.held:
-                self._release(state)
-
-    def _hold_for(self, scope: _Scope, state: GroupState) -> None:
-        """`scope` (a forward's, gathered) reads `state` until it ends: hold and claim it,
-        and make sure the scope saves through the saved-tensor hooks."""
-        gather = state.sharded_gather
-        gather.hold()
-        gather.claim()
-        scope.held.append(state)
-        if not scope.saving and self.windows is not None:
-            scope.saving = self.windows.push_if_possible()
-
-    def _close(self, scope: _Scope) -> None:
-        """`scope` ends: drop its holds and claims, and the saved-tensor hooks it installed."""
-        for state in scope.held:
-            state.sharded_gather.unhold()
-            state.sharded_gather.unclaim()
-        if scope.saving and self.windows is not None:
-            self.windows.pop()
-            scope.saving = False
-
-    def _set_forward_pass(self, running: bool) -> None:
-        for state in self.states:
-            state.sharded_gather.set_forward_pass(running)
+        self.gatherer.release(state)

@@ -33,6 +33,7 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.params.compiled import UnitDepth, run_eagerly
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.leaf import enter_leaf
+from zerodp.params.module_groups import ModuleGroups
 from zerodp.torch_internals import forward_raised
 
 
@@ -51,10 +52,12 @@ class Stage3ModuleHooks:
         self,
         root: nn.Module,
         coordinator: ParamCoordinator,
+        module_groups: ModuleGroups,
         lifecycle: BackwardLifecycle,
     ) -> None:
         self.root = root
         self.coordinator = coordinator
+        self.module_groups = module_groups
         self.lifecycle = lifecycle
         self._active_leaves: list[nn.Module] = []  # leaves whose forward is running, innermost last
         self._pre_backward = lifecycle.hook(coordinator.pre_backward)
@@ -68,7 +71,7 @@ class Stage3ModuleHooks:
         has nothing to gather: should it read another module's parameter, the nearest
         hooked module around it gathers that on use, as its own.
         """
-        owns = self.coordinator.owns_groups
+        owns = self.module_groups.owns_any
         return [
             m for m in self.root.modules() if m is self.root or any(owns(x) for x in m.modules())
         ]
@@ -83,7 +86,7 @@ class Stage3ModuleHooks:
         inside_leaves = {
             id(m)
             for leaf in self.root.modules()
-            if self.coordinator.leaves.is_leaf(leaf)
+            if self.module_groups.leaves.is_leaf(leaf)
             for m in leaf.modules()
             if m is not leaf
         }
@@ -108,9 +111,9 @@ class Stage3ModuleHooks:
         return handles
 
     def _role_of(self, module: nn.Module) -> HookRole:
-        if self.coordinator.leaves.is_leaf(module):
+        if self.module_groups.leaves.is_leaf(module):
             return HookRole.LEAF
-        if module is self.root or self.coordinator.has_groups(module):
+        if module is self.root or self.module_groups.gathers_any(module):
             return HookRole.GATHERS
         return HookRole.INNER
 
@@ -172,10 +175,10 @@ class Stage3ModuleHooks:
         if starts_forward:
             self.coordinator.begin_forward()
         self.coordinator.pre_forward(module)
-        leaf = self.coordinator.leaves.is_leaf(module)
+        leaf = self.module_groups.leaves.is_leaf(module)
         if leaf:
             self._push_leaf(module)
-        if torch.is_grad_enabled() and self.coordinator.has_groups(module):
+        if torch.is_grad_enabled() and self.module_groups.gathers_any(module):
             if leaf:
                 entered = enter_leaf(args, kwargs, lambda: self._end_leaf_backward(module))
                 if entered is not None:
@@ -202,7 +205,11 @@ class Stage3ModuleHooks:
                 return  # a module inside the running leaf
             self._pop_leaf()
         self.coordinator.post_forward(module)
-        if output is not None and torch.is_grad_enabled() and self.coordinator.has_groups(module):
+        if (
+            output is not None
+            and torch.is_grad_enabled()
+            and self.module_groups.gathers_any(module)
+        ):
             outputs = grad_tensors_in(output)
             if outputs:
                 torch.autograd.graph.register_multi_grad_hook(

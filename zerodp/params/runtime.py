@@ -18,12 +18,15 @@ from torch.utils.hooks import RemovableHandle
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.comm.subgroups import GroupComms
 from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter
 from zerodp.params.coordinator import ParamCoordinator
 from zerodp.params.divergence import DivergenceExplainer
+from zerodp.params.forward_scopes import ForwardScopes
+from zerodp.params.gatherer import GroupGatherer
+from zerodp.params.module_groups import ModuleGroups
 from zerodp.params.module_hooks import Stage3ModuleHooks
 from zerodp.params.saved_tensors import SavedTensorGatherer
 
@@ -33,6 +36,22 @@ def all_gather_full(states: list[GroupState], comm: Comm) -> None:
     handles = [comm.all_gather(s.flat.full, s.flat.shard, async_op=True) for s in states]
     for handle in handles:
         handle.wait()
+
+
+def _own_groups(
+    index: GroupIndex, module_params: dict[nn.Module, list[nn.Parameter]]
+) -> dict[nn.Module, list[GroupState]]:
+    """Each module's sharded groups: those its direct parameters are in, in first-use order."""
+    own: dict[nn.Module, list[GroupState]] = {}
+    for module, direct in module_params.items():
+        states: list[GroupState] = []
+        for param in direct:
+            state = index.state_of(param)
+            if state is not None and state.gather is not None and state not in states:
+                states.append(state)
+        if states:
+            own[module] = states
+    return own
 
 
 class ResidentParams:
@@ -72,8 +91,42 @@ class ResidentParams:
         """Parameters are plain and whole already."""
 
 
+def collective_order_for(
+    root: nn.Module,
+    index: GroupIndex,
+    world: Comm,
+    *,
+    check: bool,
+    timeout_s: float | None,
+) -> CollectiveOrder | None:
+    """Stage 3's collective order check for `root`'s groups, or None when there is nothing
+    to check (`stage3_check_order` off, or one rank).
+
+    Built before the parts that issue the collectives it checks (the reducer, the stage 3
+    runtime), which take it at construction. Every rank builds it in the same order.
+    """
+    if not check or world.world_size <= 1:
+        return None
+    explainer = DivergenceExplainer(root, index)
+    on_cpu = all(s.flat.device.type == "cpu" for s in index)
+    # Every rank takes part in a pass; the subgroups' waits are watched through it.
+    return CollectiveOrder(
+        world,
+        describe=explainer.describe,
+        advise=explainer.advise,
+        timeout_s=timeout_s,
+        watch_waits=on_cpu,
+    )
+
+
 class Stage3Runtime:
-    """Sharded groups gathered while in use: coordinator, module hooks, saved-tensor hooks."""
+    """Sharded groups gathered while in use: coordinator, module hooks, saved-tensor hooks.
+
+    Its parts are built in dependency order, each complete when built: the gatherer (with
+    `order`, the collective order check from `collective_order_for`), the saved-tensor
+    hooks on the gatherer, the forward scopes on those hooks, and the coordinator on all
+    of them.
+    """
 
     def __init__(
         self,
@@ -86,50 +139,36 @@ class Stage3Runtime:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        order: CollectiveOrder | None,
         reducer: GradientReducer | None = None,
-        check_order: bool = True,
-        order_timeout_s: float | None = None,
     ) -> None:
         self.index = index
         self.comm = comms.shard  # persistent groups are gathered in the shard group
-        module_groups: dict[nn.Module, list[GroupState]] = {}
-        for module, direct in module_params.items():
-            states: list[GroupState] = []
-            for param in direct:
-                state = index.state_of(param)
-                if state is not None and state.gather is not None and state not in states:
-                    states.append(state)
-            if states:
-                module_groups[module] = states
-        self.coordinator = ParamCoordinator(
-            index,
-            module_groups,
+        self.order = order
+        self.gatherer = GroupGatherer(
+            index.sharded,
+            order=order,
             prefetch_numel=prefetch_numel,
             max_live_numel=max_live_numel,
+        )
+        self.saved_tensors = SavedTensorGatherer(self.gatherer, lifecycle)
+        self.module_groups = ModuleGroups(
+            root,
+            _own_groups(index, module_params),
+            on_leaves_change=reducer.hold_back if reducer is not None else None,
+        )
+        self.coordinator = ParamCoordinator(
+            index,
+            self.gatherer,
+            ForwardScopes(index.sharded, self.saved_tensors),
+            self.module_groups,
+            order=order,
             max_reuse_distance=max_reuse_distance,
-            root=root,
             gradients=reducer,
         )
-        self.order: CollectiveOrder | None = None
-        if check_order and comms.world.world_size > 1:
-            explainer = DivergenceExplainer(root, index)
-            on_cpu = all(s.flat.device.type == "cpu" for s in index)
-            # Every rank takes part in a pass; the subgroups' waits are watched through it.
-            self.order = CollectiveOrder(
-                comms.world,
-                describe=explainer.describe,
-                advise=explainer.advise,
-                timeout_s=order_timeout_s,
-                watch_waits=on_cpu,
-            )
-            self.coordinator.order = self.order
-            if reducer is not None:
-                reducer.order = self.order
-        self.saved_tensors = SavedTensorGatherer(self.coordinator, lifecycle)
-        self.coordinator.windows = self.saved_tensors
         # Kept apart: `gathered_for_generation()` takes them out for a while (see posttrain).
         self.module_hooks: list[RemovableHandle] = Stage3ModuleHooks(
-            root, self.coordinator, lifecycle
+            root, self.coordinator, self.module_groups, lifecycle
         ).install()
         self._handles: list[RemovableHandle] = [
             lifecycle.on_prologue(lambda task: self.coordinator.begin_backward()),
@@ -144,7 +183,7 @@ class Stage3Runtime:
 
     @property
     def sharded_states(self) -> list[GroupState]:
-        return self.coordinator.states
+        return self.gatherer.states
 
     def status(self, param: nn.Parameter) -> ParamStatus:
         state = self.index.state_of(param)
@@ -152,7 +191,7 @@ class Stage3Runtime:
 
     def release_all(self) -> None:
         """Release every group nobody holds (what a forward kept for its backward, too)."""
-        self.coordinator.release_unheld()
+        self.gatherer.release_unheld()
 
     def on_grads_complete(self, state: GroupState) -> None:
         self.coordinator.on_grads_complete(state)
@@ -190,7 +229,7 @@ class Stage3Runtime:
             handle.remove()
         self._handles, self.module_hooks = [], []
         self.coordinator.abort()
-        self.coordinator.gather_all()
+        self.gatherer.gather_all()
         for state in self.sharded_states:
             if state.gather is not None:
                 state.gather.drop_holds()

@@ -49,7 +49,7 @@ import torch
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.group import GroupState
-from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.gatherer import GroupGatherer
 from zerodp.torch_internals import storage_key
 
 
@@ -66,14 +66,14 @@ class SavedParameterView:
 class SavedTensorGatherer:
     """The pack/unpack pair installed in forward scopes (see the module docstring)."""
 
-    def __init__(self, coordinator: ParamCoordinator, lifecycle: BackwardLifecycle) -> None:
-        self.coordinator = coordinator
+    def __init__(self, gatherer: GroupGatherer, lifecycle: BackwardLifecycle) -> None:
+        self.gatherer = gatherer
         self.unpack = lifecycle.hook(self._unpack)
         self._contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
 
     def pack(self, tensor: torch.Tensor) -> Any:
         detached = tensor.detach()
-        state = self.coordinator.state_of_storage(storage_key(tensor))
+        state = self.gatherer.state_of_storage(storage_key(tensor))
         if state is None:
             return detached
         return SavedParameterView(state, detached)
@@ -81,7 +81,7 @@ class SavedTensorGatherer:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, SavedParameterView):
             return packed
-        self.coordinator.ensure_available_for_unpack(packed.state)
+        self.gatherer.ensure_available(packed.state)
         if torch.is_grad_enabled():
             return packed.tensor.clone()
         return packed.tensor

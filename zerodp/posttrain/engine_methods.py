@@ -18,7 +18,7 @@ from zerodp.comm.subgroups import GroupComms
 from zerodp.group import GroupIndex
 from zerodp.posttrain import PostTraining
 from zerodp.posttrain.generation import GenerationReport
-from zerodp.posttrain.holding import ParamRuntime, coordinator_of
+from zerodp.posttrain.holding import ParamRuntime, gatherer_of
 from zerodp.posttrain.mode import EngineMode
 from zerodp.posttrain.state_offload import OffloadDeviceEnum
 from zerodp.posttrain.weights import DEFAULT_BUCKET_BYTES, FullParameterStream
@@ -90,7 +90,7 @@ class PostTrainingMethods:
             self.module,
             self.groups,
             self.comms.shard,  # the shards' group: each part comes from the rank holding it
-            coordinator_of(self.params),
+            gatherer_of(self.params),
             bucket_bytes=bucket_bytes,
             dtype=dtype,
             merge_adapters=merge_adapters,

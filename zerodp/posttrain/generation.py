@@ -37,7 +37,7 @@ from torch import nn
 
 from zerodp.errors import UsageError
 from zerodp.group import GroupIndex, ParamStatus
-from zerodp.posttrain.holding import ParamRuntime, coordinator_of
+from zerodp.posttrain.holding import ParamRuntime, gatherer_of
 from zerodp.posttrain.layer_stream import BlockStream, check_blocks, find_blocks
 from zerodp.torch_internals import DetachedHooks
 
@@ -108,28 +108,28 @@ class GenerationGather:
             blocks = list(blocks) if blocks is not None else find_blocks(self.root)
             check_blocks(self.root, blocks, prefetch_blocks)
         report = GenerationReport()
-        coordinator = coordinator_of(self.runtime)
+        gatherer = gatherer_of(self.runtime)
         with contextlib.ExitStack() as stack:
             self.phase = GenerationPhase.INSIDE
             stack.callback(setattr, self, "phase", GenerationPhase.OUTSIDE)
-            if coordinator is not None:
-                earlier_peak = coordinator.peak_live_numel
-                coordinator.reset_peak()
+            if gatherer is not None:
+                earlier_peak = gatherer.peak_live_numel
+                gatherer.reset_peak()
                 stack.callback(self._report, report, earlier_peak)
-                states = coordinator.states
+                states = gatherer.states
                 # Gathered on entry stays gathered on exit: held throughout.
                 kept = [
                     s for s in states if s.sharded_gather.status is not ParamStatus.NOT_AVAILABLE
                 ]
-                coordinator.hold_all(kept)
-                stack.callback(coordinator.unhold_all, kept, False)
+                gatherer.hold_all(kept)
+                stack.callback(gatherer.unhold_all, kept, False)
                 if layer_by_layer and blocks is not None:
-                    stream = BlockStream(coordinator, self.index, blocks, prefetch_blocks)
+                    stream = BlockStream(gatherer, self.index, blocks, prefetch_blocks)
                     stream.open()
                     stack.callback(stream.close)
                 else:
-                    coordinator.hold_all(states)
-                    stack.callback(coordinator.unhold_all, states)
+                    gatherer.hold_all(states)
+                    stack.callback(gatherer.unhold_all, states)
             detached = DetachedHooks(self.runtime.module_hooks)
             stack.callback(detached.restore)
             stack.callback(self.root.register_forward_pre_hook(_refuse_grad, prepend=True).remove)
@@ -137,11 +137,11 @@ class GenerationGather:
             yield report
 
     def _report(self, report: GenerationReport, earlier_peak: int) -> None:
-        coordinator = coordinator_of(self.runtime)
-        if coordinator is None:
+        gatherer = gatherer_of(self.runtime)
+        if gatherer is None:
             return
-        peak = coordinator.peak_live_numel
+        peak = gatherer.peak_live_numel
         report.peak_gathered_numel = peak
-        itemsize = max((s.flat.full.element_size() for s in coordinator.states), default=0)
+        itemsize = max((s.flat.full.element_size() for s in gatherer.states), default=0)
         report.peak_gathered_bytes = peak * itemsize
-        coordinator.peak_live_numel = max(peak, earlier_peak)
+        gatherer.peak_live_numel = max(peak, earlier_peak)

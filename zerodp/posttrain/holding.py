@@ -14,15 +14,15 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from zerodp.group import GroupIndex, GroupState, ParamStatus
-from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.gatherer import GroupGatherer
 from zerodp.params.runtime import ResidentParams, Stage3Runtime
 
 ParamRuntime = ResidentParams | Stage3Runtime
 
 
-def coordinator_of(runtime: ParamRuntime) -> ParamCoordinator | None:
-    """The stage 3 coordinator, or None at stages 0-2 (nothing is ever gathered there)."""
-    return runtime.coordinator if isinstance(runtime, Stage3Runtime) else None
+def gatherer_of(runtime: ParamRuntime) -> GroupGatherer | None:
+    """The stage 3 gatherer, or None at stages 0-2 (nothing is ever gathered there)."""
+    return runtime.gatherer if isinstance(runtime, Stage3Runtime) else None
 
 
 def sharded_groups_of(params: Iterable[torch.Tensor], index: GroupIndex) -> list[GroupState]:
@@ -36,20 +36,20 @@ def sharded_groups_of(params: Iterable[torch.Tensor], index: GroupIndex) -> list
 
 
 @contextlib.contextmanager
-def held(coordinator: ParamCoordinator | None, states: list[GroupState]) -> Iterator[None]:
+def held(gatherer: GroupGatherer | None, states: list[GroupState]) -> Iterator[None]:
     """Gather `states` (all in flight at once) and hold them; then restore their status.
 
     A collective at stage 3: every rank passes the same groups in the same order.
     """
-    if coordinator is None or not states:
+    if gatherer is None or not states:
         yield
         return
     before = {id(s) for s in states if s.sharded_gather.status is not ParamStatus.NOT_AVAILABLE}
-    coordinator.hold_all(states)
+    gatherer.hold_all(states)
     try:
         yield
     finally:
-        coordinator.unhold_all(states, release=False)
+        gatherer.unhold_all(states, release=False)
         for state in states:
             if id(state) not in before:
-                coordinator.release(state)
+                gatherer.release(state)

@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zerodp.errors import UsageError
 from zerodp.group import GroupIndex, GroupState
-from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.gatherer import GroupGatherer
 from zerodp.posttrain.holding import sharded_groups_of
 
 
@@ -67,21 +67,21 @@ class BlockStream:
 
     def __init__(
         self,
-        coordinator: ParamCoordinator,
+        gatherer: GroupGatherer,
         index: GroupIndex,
         blocks: list[nn.Module],
         prefetch_blocks: int,
     ) -> None:
-        self.coordinator = coordinator
+        self.gatherer = gatherer
         self.blocks = blocks
         self.prefetch_blocks = min(prefetch_blocks, len(blocks) - 1)
         self.block_groups = [sharded_groups_of(b.parameters(), index) for b in blocks]
         in_blocks = {id(s) for groups in self.block_groups for s in groups}
-        self.rest = [s for s in coordinator.states if id(s) not in in_blocks]
+        self.rest = [s for s in gatherer.states if id(s) not in in_blocks]
         self._handles: list[RemovableHandle] = []
 
     def open(self) -> None:
-        self.coordinator.hold_all(self.rest)
+        self.gatherer.hold_all(self.rest)
         for position, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(self._pre_hook(position)))
             self._handles.append(
@@ -97,12 +97,12 @@ class BlockStream:
         self._handles = []
         for groups in self.block_groups:
             for state in groups:
-                self.coordinator.release(state)  # a gather in flight is finished first
-        self.coordinator.unhold_all(self.rest)
+                self.gatherer.release(state)  # a gather in flight is finished first
+        self.gatherer.unhold_all(self.rest)
 
     def _pre_hook(self, position: int) -> Any:
         def enter(module: nn.Module, args: Any) -> None:
-            self.coordinator.hold_all(self.block_groups[position])
+            self.gatherer.hold_all(self.block_groups[position])
             for ahead in range(1, self.prefetch_blocks + 1):
                 self._prefetch((position + ahead) % len(self.blocks))
 
@@ -110,11 +110,11 @@ class BlockStream:
 
     def _post_hook(self, position: int) -> Any:
         def leave(module: nn.Module, args: Any, output: Any) -> None:
-            self.coordinator.unhold_all(self.block_groups[position])
+            self.gatherer.unhold_all(self.block_groups[position])
 
         return leave
 
     def _prefetch(self, position: int) -> None:
         groups: list[GroupState] = self.block_groups[position]
         for state in groups:
-            self.coordinator.prefetch(state)
+            self.gatherer.prefetch(state)

@@ -31,7 +31,7 @@ from torch import nn
 from zerodp.comm import Comm, Handle
 from zerodp.errors import UsageError
 from zerodp.group import GroupIndex, GroupState
-from zerodp.params.coordinator import ParamCoordinator
+from zerodp.params.gatherer import GroupGatherer
 from zerodp.posttrain.holding import held, sharded_groups_of
 from zerodp.posttrain.peft_merge import LoraMerge, MergedNames
 from zerodp.torch_internals import PlainTensorOps
@@ -66,7 +66,7 @@ class FullParameterStream:
         module: nn.Module,
         index: GroupIndex,
         comm: Comm,
-        coordinator: ParamCoordinator | None,
+        gatherer: GroupGatherer | None,
         *,
         bucket_bytes: int,
         dtype: torch.dtype | None,
@@ -81,7 +81,7 @@ class FullParameterStream:
             raise UsageError(f"full_parameters: dtype must be a torch.dtype or None, got {dtype!r}")
         self.index = index
         self.comm = comm
-        self.coordinator = coordinator
+        self.gatherer = gatherer
         self.dtype = dtype
         self.device = device
         self.report = StreamReport()
@@ -156,7 +156,7 @@ class FullParameterStream:
     def _merge(self, merge: LoraMerge, value: torch.Tensor) -> None:
         """The adapters' deltas, from their parameters gathered for the moment (a collective)."""
         states = sharded_groups_of(merge.lora_params(), self.index)
-        with held(self.coordinator, states):
+        with held(self.gatherer, states):
             merge.apply(value)
 
 

@@ -1,0 +1,142 @@
+"""The parallel dimensions as arithmetic: every group a partition of the ranks, coordinates that
+name each rank once, and the reduction, norm and data rules, checked against the mesh's
+definition (rank = ((r * Z + z) * S + s) * T + t) written out independently here.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from zerodp.errors import ConfigError
+from zerodp.parallel import REPLICA, SECONDARY, SEQUENCE, SHARD, TENSOR, ParallelDims
+
+# (world, mics shard size or -1, sequence, tensor, hpZ)
+MESHES = [
+    (8, -1, 1, 1, 1),
+    (8, 2, 1, 1, 1),
+    (16, -1, 1, 1, 8),
+    (8, -1, 2, 1, 1),
+    (8, 4, 2, 1, 1),
+    (8, -1, 1, 2, 1),
+    (16, 4, 2, 2, 1),
+    (24, -1, 3, 2, 1),
+    (16, 8, 2, 1, 2),
+]
+
+
+def _coordinates(dims: ParallelDims, rank: int) -> tuple[int, int, int, int]:
+    """(r, z, s, t) of `rank`, from the definition."""
+    t_size, s_size = dims.tensor_size, dims.sequence_size
+    z_size = dims.shard_size // s_size
+    t = rank % t_size
+    s = rank // t_size % s_size
+    z = rank // (t_size * s_size) % z_size
+    r = rank // (t_size * s_size * z_size)
+    return r, z, s, t
+
+
+def _expected_group(dims: ParallelDims, rank: int, label: str) -> list[int]:
+    """Ranks sharing every coordinate but the group's own ones."""
+    mine = _coordinates(dims, rank)
+    varies = {
+        TENSOR: {3},
+        SEQUENCE: {2},
+        SHARD: {1, 2},  # a shard group spans its data and sequence ranks
+        REPLICA: {0},
+    }[label]
+    return [
+        other
+        for other in range(dims.world_size)
+        if all(
+            a == b
+            for i, (a, b) in enumerate(zip(_coordinates(dims, other), mine, strict=True))
+            if i not in varies
+        )
+    ]
+
+
+@pytest.mark.parametrize(("world", "shard", "seq", "tensor", "hpz"), MESHES)
+def test_groups_follow_the_mesh(world: int, shard: int, seq: int, tensor: int, hpz: int) -> None:
+    for rank in range(world):
+        dims = ParallelDims.build(
+            world,
+            rank,
+            shard_size=shard,
+            sequence_size=seq,
+            tensor_size=tensor,
+            secondary_size=hpz,
+        )
+        for label in (TENSOR, SEQUENCE, SHARD, REPLICA):
+            groups = dims.groups_of(label)
+            assert sorted(itertools.chain(*groups)) == list(range(world)), label
+            assert dims.own_group(label) == _expected_group(dims, rank, label), (label, rank)
+            assert len(dims.own_group(label)) == dims.group_size(label)
+        r, z, s, t = _coordinates(dims, rank)
+        assert (dims.replica_index, dims.tensor_rank, dims.sequence_rank) == (r, t, s)
+        assert dims.shard_rank == z * seq + s
+        assert dims.data_index == r * dims.shard_data_size + z
+        assert dims.data_size * seq * tensor == world
+        if hpz > 1:
+            secondary = dims.own_group(SECONDARY)
+            assert set(secondary) <= set(dims.own_group(SHARD)) and len(secondary) == hpz
+
+
+def test_tensor_and_sequence_groups_are_consecutive_ranks() -> None:
+    dims = ParallelDims.build(16, 5, sequence_size=2, tensor_size=2)
+    assert dims.own_group(TENSOR) == [4, 5]
+    assert dims.own_group(SEQUENCE) == [5, 7]
+    assert dims.tensor_groups()[:2] == [[0, 1], [2, 3]]
+    seq_only = ParallelDims.build(8, 5, sequence_size=2)
+    assert seq_only.own_group(SEQUENCE) == [4, 5]  # replica d holds ranks 2d, 2d+1
+
+
+def test_the_ranks_of_a_sequence_and_tensor_block_read_the_same_samples() -> None:
+    world, seq, tensor = 16, 2, 2
+    index = [
+        ParallelDims.build(world, r, sequence_size=seq, tensor_size=tensor).data_index
+        for r in range(world)
+    ]
+    assert index == [r // (seq * tensor) for r in range(world)]
+
+
+@pytest.mark.parametrize(("world", "shard", "seq", "tensor", "hpz"), MESHES)
+def test_the_divisors_average_over_every_data_rank_once(
+    world: int, shard: int, seq: int, tensor: int, hpz: int
+) -> None:
+    """Summed over a shard group then a replica group, each divided as the dims say, a
+    gradient is the sum over the sequence ranks averaged over the data ranks."""
+    dims = ParallelDims.build(world, 0, shard_size=shard, sequence_size=seq, tensor_size=tensor)
+    total = dims.gradient_divisor(SHARD) * dims.gradient_divisor(REPLICA)
+    assert total == dims.data_size == world // (seq * tensor)
+    with pytest.raises(ValueError, match="not reduced over 'tensor'"):
+        dims.gradient_divisor(TENSOR)
+
+
+def test_a_norm_counts_each_element_once() -> None:
+    dims = ParallelDims.build(8, 0, shard_size=2, tensor_size=2)
+    assert dims.norm_sum_groups(sharded=True) == (SHARD,)  # replicas hold copies
+    assert dims.norm_sum_groups(sharded=False) == ()  # stage 0: every rank holds it all
+    assert dims.norm_sum_groups(sharded=True, tensor_split=True) == (SHARD, TENSOR)
+    assert dims.norm_sum_groups(sharded=False, tensor_split=True) == (TENSOR,)
+    alone = ParallelDims.build(1, 0)
+    assert alone.norm_sum_groups(sharded=True, tensor_split=True) == ()
+
+
+@pytest.mark.parametrize(
+    ("world", "shard", "seq", "tensor", "expected"),
+    [
+        (8, -1, 3, 1, "sequence_parallel_size 3 x tensor_parallel.autotp_size 1 = 3 does not"),
+        (8, -1, 2, 3, "= 6 does not divide the world size 8"),
+        (8, 3, 1, 1, "mics_shard_size 3 does not divide the world size 8"),
+        (8, 3, 1, 2, "mics_shard_size 3 does not divide the 4 ranks that shard each"),
+        (8, 2, 4, 1, "mics_shard_size 2 splits a sequence group of 4 ranks"),
+        (8, -1, 0, 1, "sequence_parallel_size must be at least 1"),
+    ],
+)
+def test_sizes_that_do_not_fit_name_the_fix(
+    world: int, shard: int, seq: int, tensor: int, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        ParallelDims.build(world, 0, shard_size=shard, sequence_size=seq, tensor_size=tensor)

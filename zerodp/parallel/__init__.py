@@ -1,0 +1,32 @@
+"""The parallel dimensions (data, shard, replica, sequence, tensor) and their rules.
+
+One object, `ParallelDims`, answers every question that depends on how the ranks
+are laid out: which group reduces a gradient and what it is divided by, which
+groups a gradient norm is summed over, which ranks read the same samples. See
+[Note: parallel dimensions] in `zerodp.parallel.dims`. Pure arithmetic: the
+process groups are built from it by `zerodp.comm.subgroups`.
+"""
+
+from zerodp.parallel.dims import (
+    LABELS,
+    REPLICA,
+    SECONDARY,
+    SEQUENCE,
+    SHARD,
+    TENSOR,
+    WORLD,
+    ParallelDims,
+    size_problems,
+)
+
+__all__ = [
+    "LABELS",
+    "REPLICA",
+    "SECONDARY",
+    "SEQUENCE",
+    "SHARD",
+    "TENSOR",
+    "WORLD",
+    "ParallelDims",
+    "size_problems",
+]

@@ -1,0 +1,293 @@
+"""The parallel dimensions of a run and every rule that depends on them, in one place.
+
+[Note: parallel dimensions]
+The N ranks of a run form a mesh of four dimensions, outermost first:
+
+    replica (R)  x  shard (Z)  x  sequence (S)  x  tensor (T)  =  N
+
+rank = ((r * Z + z) * S + s) * T + t. Inner dimensions hold consecutive ranks,
+so the traffic that runs most often (a tensor-parallel layer's all-reduce, a
+sequence-parallel attention's all-to-alls) stays inside a node. Z counts the
+data ranks inside one shard group; the shard group itself is Z x S ranks.
+
+- tensor group (same r, z, s; T ranks): each holds 1/T of every split weight.
+- sequence group (same r, z, t; S ranks): same parameters, disjoint tokens of
+  the same sequences; their gradients are parts of one sum.
+- shard group (same r, t; Z x S ranks): what ZeRO shards over. Sequence ranks
+  hold the same parameters, so they shard them too (as DeepSpeed, Megatron and
+  torchtitan do): memory is the ZeRO figure for Z x S ranks.
+- replica group (same z, s, t; R ranks): shard groups that copy each other
+  (`mics_shard_size`, see [Note: shard groups] in `zerodp.comm.topology`).
+- secondary group (hpZ, H consecutive places of a shard group).
+- data ranks: D = R x Z. Ranks with the same data index (r * Z + z) are handed
+  the same samples: a sequence group splits them, a tensor group shares them.
+
+The rules, written here only:
+1. Reduction: a gradient is summed over the sequence ranks and averaged over
+   the D data ranks (micro-batches are averaged by the loss's 1/accumulation
+   factor). A sum over a shard group covers Z data ranks and S sequence ranks,
+   so it is divided by Z; a sum over a replica group by R.
+2. Norm: each gradient element is counted once. Shards of one shard group are
+   disjoint (stages 1-3), so their squares are summed over it; replicas hold
+   copies and are not. A tensor-parallel slice is disjoint across its tensor
+   group; a weight the plan leaves whole is a copy there.
+3. Data: which samples a rank reads (`data_index` of `data_size`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerodp.errors import ConfigError
+
+WORLD = "world"
+SHARD = "shard"
+REPLICA = "replica"
+SECONDARY = "secondary"
+SEQUENCE = "sequence"
+TENSOR = "tensor"
+
+LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The mesh of one run, seen from `rank`. Pure arithmetic: every rank computes the same.
+
+    `shard_size` is the size of a shard group (Z x S ranks; `world_size / tensor_size`
+    when sharding over every data and sequence rank), `secondary_size` hpZ's H (1: none),
+    `sequence_size` S, `tensor_size` T. Build with `ParallelDims.build`, which checks the
+    sizes; the constructor trusts them.
+    """
+
+    world_size: int
+    rank: int
+    shard_size: int
+    secondary_size: int = 1
+    sequence_size: int = 1
+    tensor_size: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        world_size: int,
+        rank: int,
+        *,
+        shard_size: int = -1,
+        secondary_size: int = 1,
+        sequence_size: int = 1,
+        tensor_size: int = 1,
+    ) -> ParallelDims:
+        """The dims for these sizes (`shard_size` <= 0: every data and sequence rank).
+
+        Raises `ConfigError` naming the fix when the sizes do not divide the world.
+        """
+        problems = size_problems(world_size, shard_size, sequence_size, tensor_size)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        per_slice = world_size // tensor_size
+        shard = per_slice if shard_size <= 0 else shard_size
+        return cls(world_size, rank, shard, secondary_size, sequence_size, tensor_size)
+
+    # -- sizes ---------------------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        """R: shard groups that copy each other."""
+        return self.world_size // (self.shard_size * self.tensor_size)
+
+    @property
+    def data_size(self) -> int:
+        """D: ranks that read different samples (the data-parallel degree)."""
+        return self.num_replicas * self.shard_data_size
+
+    @property
+    def shard_data_size(self) -> int:
+        """Z: data ranks inside one shard group."""
+        return self.shard_size // self.sequence_size
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether shard groups replicate each other (R > 1)."""
+        return self.num_replicas > 1
+
+    @property
+    def keeps_secondary(self) -> bool:
+        """Whether hpZ keeps a secondary shard (H > 1 and smaller than the shard group)."""
+        return 1 < self.secondary_size < self.shard_size
+
+    @property
+    def splits_sequences(self) -> bool:
+        return self.sequence_size > 1
+
+    @property
+    def splits_tensors(self) -> bool:
+        return self.tensor_size > 1
+
+    # -- this rank's place ---------------------------------------------------------------
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.rank % self.tensor_size
+
+    @property
+    def sequence_rank(self) -> int:
+        return (self.rank // self.tensor_size) % self.sequence_size
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its shard group (the shard it holds)."""
+        return (self.rank // self.tensor_size) % self.shard_size
+
+    @property
+    def replica_index(self) -> int:
+        """Which shard group (of the R copies) this rank is in."""
+        return self.rank // (self.tensor_size * self.shard_size)
+
+    @property
+    def data_index(self) -> int:
+        """Which samples this rank reads: the same for a whole sequence and tensor group."""
+        return self.replica_index * self.shard_data_size + self.shard_rank // self.sequence_size
+
+    # -- groups --------------------------------------------------------------------------
+
+    def _rank_at(self, replica: int, shard_place: int, tensor: int) -> int:
+        return (replica * self.shard_size + shard_place) * self.tensor_size + tensor
+
+    def shard_groups(self) -> list[list[int]]:
+        return [
+            [self._rank_at(r, k, t) for k in range(self.shard_size)]
+            for r in range(self.num_replicas)
+            for t in range(self.tensor_size)
+        ]
+
+    def replica_groups(self) -> list[list[int]]:
+        return [
+            [self._rank_at(r, k, t) for r in range(self.num_replicas)]
+            for k in range(self.shard_size)
+            for t in range(self.tensor_size)
+        ]
+
+    def secondary_groups(self) -> list[list[int]]:
+        h = self.secondary_size
+        return [
+            [self._rank_at(r, block * h + j, t) for j in range(h)]
+            for r in range(self.num_replicas)
+            for block in range(self.shard_size // h)
+            for t in range(self.tensor_size)
+        ]
+
+    def sequence_groups(self) -> list[list[int]]:
+        s = self.sequence_size
+        return [
+            [self._rank_at(r, z * s + j, t) for j in range(s)]
+            for r in range(self.num_replicas)
+            for z in range(self.shard_data_size)
+            for t in range(self.tensor_size)
+        ]
+
+    def tensor_groups(self) -> list[list[int]]:
+        t = self.tensor_size
+        return [list(range(start, start + t)) for start in range(0, self.world_size, t)]
+
+    def groups_of(self, label: str) -> list[list[int]]:
+        """Every group of kind `label` (a partition of the ranks)."""
+        builders = {
+            SHARD: self.shard_groups,
+            REPLICA: self.replica_groups,
+            SECONDARY: self.secondary_groups,
+            SEQUENCE: self.sequence_groups,
+            TENSOR: self.tensor_groups,
+        }
+        if label not in builders:
+            return [list(range(self.world_size))]
+        return builders[label]()
+
+    def own_group(self, label: str) -> list[int]:
+        """The ranks of this rank's group of kind `label` ("world": every rank)."""
+        return next(g for g in self.groups_of(label) if self.rank in g)
+
+    def group_size(self, label: str) -> int:
+        return {
+            SHARD: self.shard_size,
+            REPLICA: self.num_replicas,
+            SECONDARY: self.secondary_size,
+            SEQUENCE: self.sequence_size,
+            TENSOR: self.tensor_size,
+        }.get(label, self.world_size)
+
+    def needs_group(self, label: str) -> bool:
+        """Whether `label`'s groups need process groups of their own (not the world's)."""
+        if label == SECONDARY:
+            return self.keeps_secondary
+        return 1 < self.group_size(label) < self.world_size
+
+    # -- the rules -----------------------------------------------------------------------
+
+    def gradient_divisor(self, label: str) -> int:
+        """What a gradient summed over this rank's group of kind `label` is divided by.
+
+        Rule 1 of [Note: parallel dimensions]: over a shard group, its data ranks (the
+        sequence ranks' parts add up to one gradient); over a replica group, the replicas.
+        """
+        if label == SHARD:
+            return self.shard_data_size
+        if label == REPLICA:
+            return self.num_replicas
+        raise ValueError(f"gradients are not reduced over {label!r} groups")
+
+    def norm_sum_groups(self, *, sharded: bool, tensor_split: bool = False) -> tuple[str, ...]:
+        """The groups a squared gradient norm is summed over so that each element counts once.
+
+        Rule 2 of [Note: parallel dimensions]. `sharded`: the rank holds a shard of each
+        gradient (stages 1-3), else the whole of it (stage 0); `tensor_split`: the
+        gradients are of tensor-parallel slices.
+        """
+        groups = []
+        if sharded and self.shard_size > 1:
+            groups.append(SHARD)
+        if tensor_split and self.tensor_size > 1:
+            groups.append(TENSOR)
+        return tuple(groups)
+
+
+def size_problems(
+    world_size: int, shard_size: int, sequence_size: int, tensor_size: int
+) -> list[str]:
+    """What is wrong with these sizes (each message names the fix); empty when they fit."""
+    problems = []
+    for name, size in (
+        ("sequence_parallel_size", sequence_size),
+        ("tensor_parallel.autotp_size", tensor_size),
+    ):
+        if size < 1:
+            problems.append(f"{name} must be at least 1, got {size}")
+    if problems:
+        return problems
+    inner = sequence_size * tensor_size
+    if world_size % inner != 0:
+        problems.append(
+            f"sequence_parallel_size {sequence_size} x tensor_parallel.autotp_size "
+            f"{tensor_size} = {inner} does not divide the world size {world_size}: launch a "
+            f"multiple of {inner} ranks, or choose sizes whose product divides {world_size}"
+        )
+        return problems
+    per_slice = world_size // tensor_size
+    if shard_size > 0:
+        if per_slice % shard_size != 0:
+            ranks = (
+                f"the world size {world_size}"
+                if tensor_size == 1
+                else f"the {per_slice} ranks that shard each tensor-parallel slice"
+            )
+            problems.append(
+                f"zero_optimization.mics_shard_size {shard_size} does not divide {ranks}: set "
+                f"it to a divisor of {per_slice} (e.g. the ranks per node), or to -1 to shard "
+                "over all of them"
+            )
+        elif shard_size % sequence_size != 0:
+            problems.append(
+                f"zero_optimization.mics_shard_size {shard_size} splits a sequence group of "
+                f"{sequence_size} ranks: set it to a multiple of sequence_parallel_size"
+            )
+    return problems
