@@ -41,7 +41,7 @@ from bench.step_time import (  # noqa: E402
 )
 from zerodp.comm import default_device, destroy_process_group_if_owned, ensure_process_group  # noqa: E402
 from zerodp.comm.agreement import agreement  # noqa: E402
-from zerodp.comm.whereabouts import Activity  # noqa: E402
+from zerodp.comm.faults.uneven_inputs import Activity  # noqa: E402
 
 
 def _settings(model: str) -> TrainSettings:

@@ -12,7 +12,8 @@ Uneven inputs: every pairing of two activities that issue collectives raises on 
 in test_uneven_pairings.py (in-process); here a covering set ends as processes: a save
 against a stage 3 forward (which used to end rank 1 by SIGABRT), the end of a script against
 a forward, an optimizer step (stage 0) and a load (4 ranks in shard groups), and a script
-that catches the error (exit 0 at once). `python tools/exit_stress.py --scenarios uneven`
+that catches the error (exit 0 at once), found by the agreement
+or by a polled wait (the peer's script ended). `python tools/exit_stress.py --scenarios uneven`
 runs every pairing with the end of a script too.
 """
 
@@ -37,6 +38,7 @@ SCENARIOS = [
     "uneven_save",
     "uneven_end",
     "uneven_caught",
+    "uneven_end_caught",
     "uneven/stage0/step/end",
     "uneven/shards3/load/end",
 ]
@@ -69,7 +71,7 @@ def _seconds_to_exit(timed: tuple[list[RankExit], float]) -> float:
     return ended - min(_errored_at(rank_exit.output) for rank_exit in exits)
 
 
-@pytest.mark.timeout(900)  # 10 scenarios x 2-4 processes side by side: slow on a busy machine
+@pytest.mark.timeout(900)  # 11 scenarios x 2-4 processes side by side: slow on a busy machine
 def test_every_rank_ends_with_its_own_status_and_the_culprit_is_named(tmp_path) -> None:
     (tmp_path / "file").write_text("")
     with ThreadPoolExecutor(len(SCENARIOS)) as pool:
@@ -118,12 +120,20 @@ def test_every_rank_ends_with_its_own_status_and_the_culprit_is_named(tmp_path) 
     assert "rank 1 ended its script after 3 optimizer steps (3 micro-batches)" in peer.output
     assert "UnevenInputsError" in peer.output and _elapsed(peer.output) < 60, peer.output
     assert "Error" not in finished.output, finished.output
-    # Caught and ended normally: exit 0 on both, soon after the error (item 5 of issue 36).
+    # Caught and ended normally: exit 0 on both, soon after the error, not at
+    # comms_timeout_s (300 s): found by the agreement (a save against a backward), or by the
+    # polled wait of rank 0's agreement while rank 1's script ended (its collective is
+    # abandoned, and ends with the peer's process).
     for rank_exit in runs["uneven_caught"]:
         assert "caught UnevenInputsError" in rank_exit.output, rank_exit.output
         assert "rank 0 is in a backward pass" in rank_exit.output
         assert "rank 1 is saving a checkpoint" in rank_exit.output
-    assert _seconds_to_exit(timed["uneven_caught"]) < 150, timed["uneven_caught"]
+    peer, finished = runs["uneven_end_caught"]
+    assert "rank 0 caught UnevenInputsError" in peer.output, peer.output
+    assert "rank 1 ended its script after 3 optimizer steps" in peer.output, peer.output
+    assert "Error" not in finished.output, finished.output
+    for scenario in ("uneven_caught", "uneven_end_caught"):
+        assert _seconds_to_exit(timed[scenario]) < 150, (scenario, timed[scenario])
     for scenario, doing in (
         ("uneven/stage0/step/end", "is in an optimizer step after 2 optimizer steps"),
         ("uneven/shards3/load/end", "is loading a checkpoint after 2 optimizer steps"),
