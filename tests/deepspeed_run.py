@@ -132,3 +132,39 @@ def config(stage: int, precision: str, world_size: int) -> dict[str, Any]:
 
 def fixture_name(stage: int, precision: str) -> str:
     return f"stage{stage}_{precision}"
+
+
+# The run as DeepSpeed-Chat or an HF Trainer starts it: its own torch optimizer and LR
+# scheduler passed to deepspeed.initialize (the config names neither), and a client_state of
+# every plain kind. `zerodp convert` must carry all of it over.
+CLIENT_STAGE = 2
+CLIENT_FIXTURE = "stage2_fp32_client"
+
+
+def client_state() -> dict[str, Any]:
+    """What the client run saves with `save_checkpoint(client_state=...)`."""
+    return {
+        "epoch": 4,
+        "note": "fixture",
+        "position": {"shard": 3, "offsets": (17, 42)},
+        "running_mean": torch.tensor([0.25, -1.5]),
+        "seen": [1, 2.5, "three"],
+        "best": None,
+        "done": False,
+    }
+
+
+def client_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model), lr=0.02, betas=(0.9, 0.95))
+
+
+def client_scheduler(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def client_config(world_size: int) -> dict[str, Any]:
+    """`config` without the optimizer and scheduler blocks (the run passes its own)."""
+    cfg = config(CLIENT_STAGE, "fp32", world_size)
+    del cfg["optimizer"], cfg["scheduler"]
+    cfg["zero_allow_untested_optimizer"] = True
+    return cfg

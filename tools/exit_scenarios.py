@@ -10,15 +10,22 @@ Each scenario is how a real run ends when something goes wrong, on 2 ranks (gloo
 - `checkpoint`: a save into a path that is a file (the second argument); `CheckpointError` on
   both (exit 1).
 
-The third argument is a directory the uneven scenario may save into.
+The third argument is a directory the uneven scenarios may save into.
 - `user_error`: rank 1's own code raises `ValueError` after two steps (exit 1); rank 0, in its
   next step, fails with a `PeerFailedError` that names rank 1's error (exit 1).
-- `uneven_save`: stage 2, rank 1 has one batch fewer and goes on to save a checkpoint while
-  rank 0 trains its last step; both raise `UnevenInputsError` naming each rank's place and
-  step counts, within seconds of the stall (`comms_timeout_s` is 300), and both processes end
-  at once (exit 1) rather than at the timeout.
+- `uneven_save`: stage 3, rank 1 has one batch fewer and goes on to save a checkpoint while
+  rank 0 runs the forward of its last step (gloo used to abort rank 1 there: SIGABRT); both
+  raise `UnevenInputsError` naming each rank's place and step counts at once
+  (`comms_timeout_s` is 300), and both processes end at once (exit 1).
 - `uneven_end`: stage 3, rank 1 has one batch fewer and its script ends (exit 0); rank 0
   raises `UnevenInputsError` naming that (exit 1).
+- `uneven_caught`, `uneven_end_caught`: as `uneven_save` at stage 2 and `uneven_end`, but the
+  script catches `UnevenInputsError`, prints it and ends normally: exit 0 on every rank, at
+  once, not after `comms_timeout_s` (300 s).
+- `uneven/<config>/<a>/<b>`: one pairing of `tests/uneven.py` (the last rank does `b`, the
+  others `a`: forward, backward, step, save, load or end), uncaught: exit 1 on a rank that
+  raises `UnevenInputsError`, 0 on a rank whose script ended. `UNEVEN` lists every pairing
+  (2 ranks at stages 0-3, 4 in shard groups).
 - `oom_forward`: rank 1 runs out of memory inside its third forward at stage 3 (exit 1); rank 0
   fails with a `PeerFailedError` naming rank 1's `OutOfMemoryError`, not a divergence (exit 1).
 
@@ -41,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
 from tests.models import TinyNet, tiny_inputs
+from tests.uneven import CONFIGS, activity_of, pairings, run_pairing
 
 EXPECTED: dict[str, tuple[int, int]] = {
     "frozen1": (3, 3),
@@ -52,7 +60,24 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "oom_forward": (1, 1),
     "uneven_save": (1, 1),
     "uneven_end": (1, 0),
+    "uneven_caught": (0, 0),
+    "uneven_end_caught": (0, 0),
 }
+
+
+def _uneven_pairings() -> dict[str, tuple[int, ...]]:
+    scenarios: dict[str, tuple[int, ...]] = {}
+    for name, setup in CONFIGS.items():
+        for pairing in pairings(setup.stage):
+            statuses = tuple(
+                0 if activity_of(rank, setup.world_size, pairing) == "end" else 1
+                for rank in range(setup.world_size)
+            )
+            scenarios[f"uneven/{name}/{pairing[0]}/{pairing[1]}"] = statuses
+    return scenarios
+
+
+UNEVEN = _uneven_pairings()  # every pairing, each rank's expected status
 
 
 class SkippingNet(nn.Module):
@@ -99,6 +124,24 @@ def frozen(stage: int, rank: int) -> None:
         sys.exit(3)
 
 
+def uneven(scenario: str, rank: int) -> None:
+    """Rank 1 has one batch fewer; it saves (`uneven_save`, `uneven_caught`) or its script
+    ends; with `_caught` the script catches the error and ends normally."""
+    stage = 2 if scenario == "uneven_caught" else 3
+    engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(stage, timeout=300))
+    start = time.monotonic()
+    try:
+        _train(engine, rank, range(4 - rank))  # rank 1 has one batch fewer
+        if scenario in ("uneven_save", "uneven_caught"):
+            engine.save_checkpoint(sys.argv[3])
+    except zerodp.UnevenInputsError as error:
+        if not scenario.endswith("_caught"):
+            raise
+        print(f"rank {rank} caught {type(error).__name__}: {error}", flush=True)
+    finally:
+        print(f"ELAPSED {time.monotonic() - start:.1f} AT {time.time():.3f}", flush=True)
+
+
 def main() -> None:
     scenario = sys.argv[1]
     torch.manual_seed(0)
@@ -120,16 +163,13 @@ def main() -> None:
         if rank == 1:
             raise ValueError("the user's data loader found a corrupt record")
         _train(engine, rank, range(2, 4))
-    elif scenario in ("uneven_save", "uneven_end"):
-        stage = 2 if scenario == "uneven_save" else 3
-        engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(stage, timeout=300))
-        start = time.monotonic()
-        try:
-            _train(engine, rank, range(4 - rank))  # rank 1 has one batch fewer
-            if scenario == "uneven_save":
-                engine.save_checkpoint(sys.argv[3])
-        finally:
-            print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
+    elif scenario in ("uneven_save", "uneven_end", "uneven_caught", "uneven_end_caught"):
+        uneven(scenario, rank)
+    elif scenario.startswith("uneven/"):
+        _, config_name, first, second = scenario.split("/")
+        # One directory per run (ranks of a run share its port), for the checkpoints.
+        dirs = Path(sys.argv[3]) / f"{config_name}-{first}-{second}-{os.environ['MASTER_PORT']}"
+        run_pairing(config_name, (first, second), rank, dirs, catch=False)
     elif scenario == "oom_forward":
         model = TinyNet()
         engine, _, _, _ = zerodp.initialize(model=model, config=_config(3))
@@ -138,7 +178,7 @@ def main() -> None:
             model.norm.register_forward_pre_hook(_out_of_memory)
         _train(engine, rank, range(2, 4))
     else:
-        raise SystemExit(f"unknown scenario {scenario!r}; one of {sorted(EXPECTED)}")
+        raise SystemExit(f"unknown scenario {scenario!r}; one of {sorted(EXPECTED)} or UNEVEN")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     python tools/exit_stress.py                 # 20 runs of each scenario, 2 busy loops
     python tools/exit_stress.py --runs 3 --busy 0 --scenarios mismatch,user_error
+    python tools/exit_stress.py --scenarios uneven          # every uneven-input pairing
+    python tools/exit_stress.py --scenarios uneven/stage3   # those of one config
 
 Two busy loops keep the machine's cores loaded (that is when a process ended by SIGABRT
 at exit used to show up: see [Note: ending the process] in zerodp/comm/faults/teardown.py).
@@ -21,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.exit_scenarios import EXPECTED
+from tools.exit_scenarios import EXPECTED, UNEVEN
 from zerodp.testing.ranks import run_ranks
 
 SCRIPT = Path(__file__).with_name("exit_scenarios.py")
@@ -35,12 +37,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--busy", type=int, default=2, help="busy loops beside the runs")
-    parser.add_argument("--scenarios", default=",".join(EXPECTED))
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(EXPECTED),
+        help="names from exit_scenarios.py; 'uneven' (every pairing) or 'uneven/<config>'",
+    )
     args = parser.parse_args()
-    scenarios = args.scenarios.split(",")
-    unknown = sorted(set(scenarios) - set(EXPECTED))
+    scenarios = _expand(args.scenarios.split(","))
+    unknown = sorted(set(scenarios) - set(_ALL))
     if unknown:
-        parser.error(f"unknown scenarios {unknown}; choose from {sorted(EXPECTED)}")
+        parser.error(f"unknown scenarios {unknown}; choose from {sorted(EXPECTED)} or uneven")
     loops = _busy_loops(args.busy)
     failures = 0
     rows = []
@@ -51,9 +57,11 @@ def main() -> int:
                 start = time.monotonic()
                 for run in range(args.runs):
                     exits = run_ranks(
-                        [str(SCRIPT), scenario, not_a_directory.name, d], timeout_s=180
+                        [str(SCRIPT), scenario, not_a_directory.name, d],
+                        world_size=len(_ALL[scenario]),
+                        timeout_s=180,
                     )
-                    for expected, rank_exit in zip(EXPECTED[scenario], exits, strict=True):
+                    for expected, rank_exit in zip(_ALL[scenario], exits, strict=True):
                         counts[(rank_exit.rank, rank_exit.status)] += 1
                         if rank_exit.status != expected:
                             failures += 1
@@ -69,22 +77,36 @@ def main() -> int:
     finally:
         for loop in loops:
             loop.kill()
-    print(f"\n{args.runs} runs per scenario, {args.busy} busy loops, 2 ranks each")
-    header = ("scenario", "expected", "rank 0 statuses", "rank 1 statuses")
-    print(f"{header[0]:<12} {header[1]:<10} {header[2]:<22} {header[3]:<22} s/run")
+    print(f"\n{args.runs} runs per scenario, {args.busy} busy loops")
+    print(f"{'scenario':<{_WIDTH}} {'expected':<10} statuses of rank 0, 1, ...  s/run")
     for scenario, counts, seconds in rows:
         print(_row(scenario, counts, seconds))
     print("all as expected" if failures == 0 else f"{failures} rank exits not as expected")
     return 0 if failures == 0 else 1
 
 
+_ALL = {**EXPECTED, **UNEVEN}
+_WIDTH = max(len(name) for name in _ALL)
+
+
+def _expand(names: list[str]) -> list[str]:
+    """'uneven' is every uneven-input pairing, 'uneven/<config>' those of one config."""
+    out: list[str] = []
+    for name in names:
+        if name == "uneven" or (name.startswith("uneven/") and name.count("/") == 1):
+            out += [s for s in UNEVEN if s == name or s.startswith(name + "/")]
+        else:
+            out.append(name)
+    return out
+
+
 def _row(scenario: str, counts: Counter[tuple[int, int | None]], seconds: float) -> str:
     cells = []
-    for rank in (0, 1):
+    for rank in range(len(_ALL[scenario])):
         seen = {status: n for (r, status), n in counts.items() if r == rank}
         cells.append(", ".join(f"{status}: {n}x" for status, n in sorted(seen.items(), key=str)))
-    expected = "/".join(str(s) for s in EXPECTED[scenario])
-    return f"{scenario:<12} {expected:<10} {cells[0]:<22} {cells[1]:<22} {seconds:.1f}"
+    expected = "/".join(str(s) for s in _ALL[scenario])
+    return f"{scenario:<{_WIDTH}} {expected:<10} {' | '.join(cells)}  {seconds:.1f}"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ the checkpoint (`latest`, `global_step3/`). The checkpoints in `UNIVERSAL` are
 also converted with DeepSpeed's `ds_to_universal` (`global_step3_universal/`,
 `latest_universal`).
 
+`CLIENT_FIXTURE` (stage 2, fp32) is the same run started as DeepSpeed-Chat or
+an HF Trainer starts it: its own torch AdamW and StepLR passed to
+`deepspeed.initialize` (the config names neither) and a client_state of every
+plain kind (`tests/deepspeed_run.client_state`), for `zerodp convert` to carry.
+
 It also records DeepSpeed's learning-rate schedules step by step
 (`schedules.json`): the lr each optimizer step uses, for several settings of
 WarmupLR, WarmupDecayLR and WarmupCosineLR.
@@ -80,7 +85,9 @@ def _snapshot(engine: Any, model: torch.nn.Module, prefix: str) -> dict[str, tor
     return {k: v.float() if k.split(".")[1] != "model" else v for k, v in out.items()}
 
 
-def _worker(rank: int, port: int, stage: int, precision: str, folder: str) -> None:
+def _worker(
+    rank: int, port: int, stage: int, precision: str, folder: str, client: bool = False
+) -> None:
     world = run.DEEPSPEED_WORLD_SIZE
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -94,10 +101,20 @@ def _worker(rank: int, port: int, stage: int, precision: str, folder: str) -> No
 
     deepspeed.init_distributed(dist_backend="gloo")
     model = run.build_model()
-    cfg = run.config(stage, precision, world)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=run.param_groups(model), config=cfg
-    )
+    if client:  # the run's own optimizer and scheduler, as DeepSpeed-Chat passes them
+        cfg = run.client_config(world)
+        optimizer = run.client_optimizer(model)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=run.client_scheduler(optimizer),
+            config=cfg,
+        )
+    else:
+        cfg = run.config(stage, precision, world)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=run.param_groups(model), config=cfg
+        )
     dtype = next(engine.module.parameters()).dtype
     losses: list[float] = []
     lrs: list[list[float]] = []
@@ -118,7 +135,8 @@ def _worker(rank: int, port: int, stage: int, precision: str, folder: str) -> No
 
     for step in range(1, run.SAVED_AT + 1):
         train_step(step)
-    engine.save_checkpoint(folder, tag=TAG, client_state={"epoch": 4, "note": "fixture"})
+    saved = run.client_state() if client else {"epoch": 4, "note": "fixture"}
+    engine.save_checkpoint(folder, tag=TAG, client_state=saved)
     records = _snapshot(engine, model, "saved")
     for step in range(run.SAVED_AT + 1, run.SAVED_AT + run.CONTINUED + 1):
         train_step(step)
@@ -146,13 +164,13 @@ def _worker(rank: int, port: int, stage: int, precision: str, folder: str) -> No
     dist.destroy_process_group()
 
 
-def make_checkpoint(out: Path, stage: int, precision: str) -> Path:
-    folder = out / run.fixture_name(stage, precision)
+def make_checkpoint(out: Path, stage: int, precision: str, client: bool = False) -> Path:
+    folder = out / (run.CLIENT_FIXTURE if client else run.fixture_name(stage, precision))
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     mp.spawn(
         _worker,
-        args=(_free_port(), stage, precision, str(folder)),
+        args=(_free_port(), stage, precision, str(folder), client),
         nprocs=run.DEEPSPEED_WORLD_SIZE,
     )
     for script in folder.glob("*.py"):  # DeepSpeed's recovery scripts: its code, not data
@@ -269,6 +287,9 @@ def main() -> int:
             if (stage, precision) in run.UNIVERSAL:
                 make_universal(folder)
             print(f"wrote {folder}", flush=True)
+    if args.only in (None, run.CLIENT_FIXTURE):
+        folder = make_checkpoint(args.out, run.CLIENT_STAGE, "fp32", client=True)
+        print(f"wrote {folder}", flush=True)
     if args.only is None:
         (args.out / "schedules.json").write_text(json.dumps(record_schedules(), indent=1) + "\n")
     return 0

@@ -396,3 +396,44 @@ def test_loading_when_nothing_was_saved_returns_none(pools, tmp_path) -> None:
     """As in DeepSpeed: a run that resumes before its first save starts afresh."""
     for directory in (tmp_path, tmp_path / "not_created_yet"):
         assert pools(2).run(load_from_empty, str(directory)) == [(None, None), (None, None)]
+
+
+def _plain_engine(stage: int) -> zerodp.ZeroEngine:
+    """`_build`'s model and optimizer without an LR scheduler or a data loader."""
+    torch.manual_seed(0)
+    config = zerodp_config(stage, optimizer=optimizer_config("AdamW", lr=1e-2))
+    return zerodp.initialize(model=DropoutNet(), config=config)[0]
+
+
+def reports_of_missing_pieces(directory: str) -> list[list[str]]:
+    """What a load leaves as it was when the checkpoint and the engine differ in pieces."""
+    plain = _plain_engine(1)
+    plain.backward(plain(tiny_inputs(dist.get_rank(), 0)).square().mean())
+    plain.step()
+    plain.save_checkpoint(directory, tag="plain")
+    plain.destroy()
+    _, engine, _ = _build(1)
+    before = engine.lr_scheduler.state_dict()
+    engine.load_checkpoint(directory, tag="plain", load_optimizer_states=False)
+    unchanged = engine.lr_scheduler.state_dict() == before
+    first = [*engine.last_load_report.not_restored, f"scheduler unchanged: {unchanged}"]
+    engine.save_checkpoint(directory, tag="full")
+    engine.destroy()
+    plain = _plain_engine(1)
+    plain.load_checkpoint(directory, tag="full", load_optimizer_states=False)
+    second = list(plain.last_load_report.not_restored)
+    plain.destroy()
+    return [first, second]
+
+
+def test_the_load_report_names_pieces_the_checkpoint_or_the_engine_lacks(pools, tmp_path) -> None:
+    """A checkpoint without LR scheduler or data-loader state leaves the engine's as they
+    were, and a scheduler state with no scheduler to take it is dropped: each is said in
+    the report (a warning), not reported restored "as saved"."""
+    first, second = pools(2).run(reports_of_missing_pieces, str(tmp_path))[0]
+    assert "LR scheduler (the checkpoint has no LR scheduler state)" in first, first
+    assert "data-loader position (the checkpoint has no data-loader position)" in first, first
+    assert "scheduler unchanged: True" in first
+    assert (
+        "LR scheduler (the checkpoint's LR scheduler state: this engine has no scheduler)" in second
+    ), second

@@ -409,3 +409,147 @@ def test_convert_holds_16_bytes_a_trainable_parameter(pools, tmp_path: Path) -> 
         per_parameter = (seen["params"] + seen["grads"] + seen["optimizer"]) - seen["step_bytes"]
         frozen_bytes = (seen["numel"] - trainable) * width
         assert per_parameter - frozen_bytes == 16 * trainable, seen
+
+
+# -- a conversion gives what a direct load gives ---------------------------------------------
+
+# (fixture, ZeRO stage of the loading engine): a run's own optimizer, scheduler and rich
+# client_state (stage 2 fp32), fp16's dynamic loss scaler (stage 1), bf16 at stage 3 (a
+# cosine schedule, whose peak lr the scheduler takes from the optimizer), and stage2_fp32
+# saved as if with 2 micro-batches per step (`GAS2`: DeepSpeed does not save micro-steps).
+GAS2 = "stage2_fp32_gas2"
+CONVERTED = [(run.CLIENT_FIXTURE, 3), ("stage1_fp16", 1), ("stage3_bf16", 0), (GAS2, 2)]
+
+
+def _with_two_micro_batches(directory: Path) -> Path:
+    """stage2_fp32 whose saved config says gradient_accumulation_steps 2."""
+    folder = directory / GAS2
+    shutil.copytree(FIXTURES / "stage2_fp32", folder)
+    states = folder / TAG / "mp_rank_00_model_states.pt"
+    data = dict(read_pickle(states))
+    data["ds_config"] = {**data["ds_config"], "gradient_accumulation_steps": 2}
+    torch.save(data, states)
+    return folder
+
+
+def _build_for(fixture: str, zero_stage: int) -> tuple[torch.nn.Module, Any]:
+    """The engine the fixture's run would resume in (its own optimizer and scheduler for the
+    client fixture), at `zero_stage`."""
+    if fixture == GAS2:
+        model = run.build_model()
+        config = run.config(2, "fp32", dist.get_world_size())
+        config["zero_optimization"] = {"stage": zero_stage}
+        config["gradient_accumulation_steps"] = 2
+        config["train_micro_batch_size_per_gpu"] //= 2
+        engine, *_ = zerodp.initialize(
+            model=model, model_parameters=run.param_groups(model), config=config
+        )
+        return model, engine
+    if fixture != run.CLIENT_FIXTURE:
+        stage, precision = int(fixture[5]), fixture.split("_")[1]
+        return _build(stage, precision, zero_stage)
+    model = run.build_model()
+    config = run.client_config(dist.get_world_size())
+    config["zero_optimization"] = {"stage": zero_stage}
+    optimizer = run.client_optimizer(model)
+    engine, *_ = zerodp.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=run.client_scheduler(optimizer),
+        config=config,
+    )
+    return model, engine
+
+
+def _everything_loaded(fixture: str, zero_stage: int, directory: str) -> dict[str, Any]:
+    """All a load of `directory` gives an engine built for `fixture`'s run."""
+    model, engine = _build_for(fixture, zero_stage)
+    torch.manual_seed(1000 + dist.get_rank())
+    generator_before = torch.get_rng_state()
+    _, client = engine.load_checkpoint(directory)
+    state: dict[str, Any] = {
+        "client": client,
+        "counters": engine.train_state.state_dict(),
+        "lr": engine.get_lr(),
+        "scheduler": engine.lr_scheduler.state_dict(),
+        "loss_scaler": engine.optimizer.loss_scaler.state_dict(),
+        "settings": [
+            {k: v for k, v in group.items() if k != "params"}
+            for group in engine.optimizer.param_groups
+        ],
+        "generator_untouched": torch.equal(torch.get_rng_state(), generator_before),
+        "not_restored": list(engine.last_load_report.not_restored),
+    }
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            state[f"fp32.{name}"] = zerodp.utils.safe_get_full_fp32_param(param)
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = zerodp.utils.safe_get_full_optimizer_state(param, key)
+                state[f"{key}.{name}"] = value
+    with zerodp.zero.GatheredParameters(list(model.parameters())):
+        for name, tensor in model.state_dict().items():
+            state[f"module.{name}"] = tensor.clone()
+    engine.destroy()
+    return state
+
+
+def _convert_only(source: str, destination: str) -> str:
+    from zerodp.launch.convert import convert_deepspeed
+
+    return convert_deepspeed(source, destination)[0]
+
+
+def _difference(a: Any, b: Any, where: str = "") -> str | None:
+    """Where `a` and `b` first differ (kinds of containers included), or None."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        return None if same else f"{where}: {a!r} != {b!r}"
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} {a!r} != {type(b).__name__} {b!r}"
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return f"{where}: keys {sorted(a)} != {sorted(b)}"
+        found = (_difference(a[k], b[k], f"{where}[{k!r}]") for k in a)
+        return next((d for d in found if d is not None), None)
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} items != {len(b)}"
+        pairs = enumerate(zip(a, b, strict=True))
+        found = (_difference(x, y, f"{where}[{i}]") for i, (x, y) in pairs)
+        return next((d for d in found if d is not None), None)
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+
+def test_a_converted_checkpoint_loads_as_the_deepspeed_one_does(pools, tmp_path: Path) -> None:
+    """Everything a direct load of the DeepSpeed checkpoint gives, a load of its conversion
+    gives too: client_state (every plain kind, tensors included), counters, the LR
+    scheduler's state (also a torch scheduler the run passed in itself), loss scaler,
+    optimizer settings, masters and moments, frozen weights and buffers, micro-steps counted
+    with the run's gradient accumulation; and, as DeepSpeed saves no random generator
+    states, neither load touches the generators."""
+    loaded = {}
+    for fixture, zero_stage in CONVERTED:
+        source = _with_two_micro_batches(tmp_path) if fixture == GAS2 else FIXTURES / fixture
+        destination = str(tmp_path / "converted" / fixture)
+        pools(1).run(_convert_only, str(source), destination)
+        direct = pools(2).run(_everything_loaded, fixture, zero_stage, str(source))
+        converted = pools(2).run(_everything_loaded, fixture, zero_stage, destination)
+        for rank in range(2):
+            a, b = direct[rank], converted[rank]
+            assert a.keys() == b.keys(), fixture
+            for key in a:
+                if key != "not_restored":
+                    assert _difference(a[key], b[key], key) is None, (fixture, rank)
+            assert b["generator_untouched"], fixture
+            for report in (a["not_restored"], b["not_restored"]):
+                assert not [line for line in report if "scheduler" in line], (fixture, report)
+                assert any("random generator" in line for line in report), (fixture, report)
+        loaded[fixture] = direct[0]
+    # What was compared is what the runs saved: the client run's state and its own StepLR.
+    client_run = loaded[run.CLIENT_FIXTURE]
+    assert _difference(client_run["client"], run.client_state()) is None, client_run["client"]
+    assert client_run["scheduler"]["last_epoch"] == run.SAVED_AT
+    for fixture in ("stage1_fp16", "stage3_bf16", GAS2):
+        assert loaded[fixture]["client"] == {"epoch": 4, "note": "fixture"}, fixture
+        assert loaded[fixture]["counters"]["global_steps"] == run.SAVED_AT, fixture
+    assert loaded[GAS2]["counters"]["micro_steps"] == 2 * run.SAVED_AT  # a window's start

@@ -103,7 +103,9 @@ def test_a_frozen_peer_is_a_named_error_at_the_timeout() -> None:
         assert set(marks) == {"FROZEN", "FAILED"}, (out, err)
         assert 9.5 < marks["FAILED"] - marks["FROZEN"] < 45, marks
         assert "rank 0: collective " in out and "failed after 1" in out, out
-        named = "reduce_scatter" if stage == 1 else "all_gather"
+        # Rank 0's next backward (stage 1) or forward (stage 3) waits first in the agreement
+        # on it ([Note: agreeing before a collective]), named with the collective it precedes.
+        named = "agreement before reduce_scatter" if stage == 1 else "agreement before gather"
         assert f"collective {named} #" in out and "from zerodp/" in out, out
         assert "from zerodp/comm/" not in out, out  # the site is the caller of zerodp.comm
         assert "comms_timeout_s" in out

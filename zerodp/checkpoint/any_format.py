@@ -45,7 +45,7 @@ def load_any_checkpoint(
         )
     if files is not None:
         return load_deepspeed_checkpoint(subject, files, options)
-    path, client = load_checkpoint(subject, load_dir, options)
+    path, client, left = load_checkpoint(subject, load_dir, options)
     if path is None:
         return None, None, None
     report = LoadReport(f"zerodp checkpoint '{path}'", ["model weights (fp32 masters)"])
@@ -58,8 +58,10 @@ def load_any_checkpoint(
         report.not_restored.append("optimizer state (load_optimizer_states=False)")
     if not options.load_lr_scheduler_states:
         report.not_restored.append("LR scheduler (load_lr_scheduler_states=False)")
-    report.restored.append(
-        "counters, LR scheduler, random generators, data-loader position, kept gradients, "
-        "client_state, as saved"
-    )
+    pieces = ["counters", "LR scheduler", "random generators", "data-loader position"]
+    if not options.load_lr_scheduler_states:
+        pieces.remove("LR scheduler")
+    pieces = [piece for piece in pieces if piece not in left]
+    report.restored.append(", ".join([*pieces, "kept gradients", "client_state"]) + ", as saved")
+    report.not_restored += [f"{piece} ({why})" for piece, why in left.items()]
     return path, client, report

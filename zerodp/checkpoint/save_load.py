@@ -57,8 +57,15 @@ _FAILURES = integrity.CHECKPOINT_FAILURES
 
 
 def save_checkpoint(
-    subject: CheckpointSubject, save_dir: Any, tag: str | None = None, client_state: Any = None
+    subject: CheckpointSubject,
+    save_dir: Any,
+    tag: str | None = None,
+    client_state: Any = None,
+    *,
+    random_states: bool = True,
 ) -> Path:
+    """`random_states=False` leaves the random generator states out (they are not the run's:
+    `zerodp convert`); a load then leaves the generators as they are."""
     comm = subject.comm
     error: BaseException | None = None
     directory = Path(".")
@@ -80,6 +87,7 @@ def save_checkpoint(
         tp = tensor_slices.describe(subject)
         if tp is not None:
             shared[tensor_slices.KEY] = tp
+        shared["random_states"] = random_states
         json.dumps(shared, allow_nan=True)
     except _FAILURES as caught:
         error = caught
@@ -90,7 +98,7 @@ def save_checkpoint(
     temp_name = comm.broadcast_object(new_temp_name(tag) if comm.rank == 0 else None)
     temp = directory / temp_name
     try:
-        _write(subject, directory, temp, tag, shared, client_tensors)
+        _write(subject, directory, temp, tag, shared, client_tensors, random_states)
     except CheckpointError:
         if comm.rank == 0:  # every rank has stopped writing: the agreement said so
             clean_leftovers(directory)
@@ -105,6 +113,7 @@ def _write(
     tag: str,
     shared: dict[str, Any],
     client_tensors: dict[str, Any],
+    random_states: bool,
 ) -> None:
     """Write everything under `temp`, agreeing after each phase, then commit (rank 0)."""
     comm = subject.comm
@@ -125,7 +134,7 @@ def _write(
             **tensors.model_tensors(subject, places),
             **tensors.master_tensors(subject, places),
             **tensors.optimizer_tensors(subject, places),
-            **tensors.rng_tensors(comm.rank),
+            **(tensors.rng_tensors(comm.rank) if random_states else {}),
         }
         if shared.get("gradients") is not None:
             state.update(gradients.gradient_tensors(subject))
@@ -138,9 +147,10 @@ def _write(
     _agreed(comm, where, write_tensors)
 
     def write_json_and_hash() -> None:
-        rank_file = f"rank{comm.rank}.json"
-        json_state.write_json(temp / rank_file, json_state.rank_state())
-        entries[rank_file] = checksums.small_file_entry(temp / rank_file)
+        if random_states:
+            rank_file = f"rank{comm.rank}.json"
+            json_state.write_json(temp / rank_file, json_state.rank_state())
+            entries[rank_file] = checksums.small_file_entry(temp / rank_file)
         if comm.rank == 0:
             json_state.write_json(temp / json_state.STATE_FILE, shared)
             for name in (json_state.STATE_FILE, METADATA_FILE):
@@ -207,14 +217,16 @@ def _root_cause(error: BaseException) -> BaseException:
 
 def load_checkpoint(
     subject: CheckpointSubject, load_dir: Any, options: LoadOptions
-) -> tuple[str | None, Any]:
+) -> tuple[str | None, Any, dict[str, str]]:
+    """(path, client_state, what was left as it was: {piece: why}); the path is None when
+    there is nothing to load."""
     comm = subject.comm
     tag = options.tag
     if tag is None and not _any_latest(subject, load_dir):
         # As in DeepSpeed: nothing saved yet is not an error; the caller starts afresh.
         if comm.rank == 0:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
-        return None, None
+        return None, None, {}
     with_optimizer = options.with_optimizer
     verify_checksums = options.verify_checksums
     error: BaseException | None = None
@@ -246,8 +258,9 @@ def load_checkpoint(
             for name in checksums.my_share(chunks, comm.rank, comm.world_size):
                 checksums.check_data_file(path, name, chunks[name], manifest)
         _check_json_pieces(subject, shared, with_optimizer, options.load_lr_scheduler_states)
-        rank_json = _read_rank_json(path, comm.rank, shared["world_size"], manifest)
-        destinations.check_rng(saved, shared["world_size"])
+        if _has_random_states(shared):
+            rank_json = _read_rank_json(path, comm.rank, shared["world_size"], manifest)
+            destinations.check_rng(saved, shared["world_size"])
         wanted = destinations.model_destinations(subject, saved)
         if with_optimizer:
             planned = destinations.plan_missing_state(subject, saved)
@@ -293,7 +306,40 @@ def load_checkpoint(
             json_state.restore_rank_state(rank_json)
         grads.apply(subject)
     client = {k: v for k, v in wanted.items() if k.startswith("client.")}
-    return str(path), from_jsonable(shared.get("client_state"), client)
+    left = (
+        {}
+        if options.load_module_only
+        else _left_as_they_were(subject, shared, options.load_lr_scheduler_states)
+    )
+    return str(path), from_jsonable(shared.get("client_state"), client), left
+
+
+def _has_random_states(shared: dict[str, Any]) -> bool:
+    """Whether the checkpoint keeps the saving ranks' random generator states (it does unless
+    it was written without them: `save_checkpoint(random_states=False)`)."""
+    value = shared.get("random_states", True)
+    if not isinstance(value, bool):
+        raise CheckpointError(
+            f"checkpoint state: 'random_states' is {value!r}, expected true or false; the "
+            "checkpoint's zerodp_state.json is damaged"
+        )
+    return value
+
+
+def _left_as_they_were(
+    subject: CheckpointSubject, shared: dict[str, Any], with_scheduler: bool
+) -> dict[str, str]:
+    """The pieces this engine has that the checkpoint held nothing for, and why."""
+    left: dict[str, str] = {}
+    if not _has_random_states(shared):
+        left["random generators"] = "the checkpoint keeps no random generator states"
+    if subject.lr_scheduler is not None and with_scheduler and not shared.get("lr_scheduler"):
+        left["LR scheduler"] = "the checkpoint has no LR scheduler state"
+    elif subject.lr_scheduler is None and shared.get("lr_scheduler"):
+        left["LR scheduler"] = "the checkpoint's LR scheduler state: this engine has no scheduler"
+    if subject.dataloader is not None and shared.get("dataloader") is None:
+        left["data-loader position"] = "the checkpoint has no data-loader position"
+    return left
 
 
 # -- checks, all made before anything changes ---------------------------------------------

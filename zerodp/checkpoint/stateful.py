@@ -76,6 +76,23 @@ class OptimizerSettings:
                 group[key] = from_jsonable(value)
 
 
+def _check_deepspeed_schedule(scheduler: Any, iteration: Any) -> None:
+    """DeepSpeed's `{"last_batch_iteration": t}` fits DeepSpeed's schedules only (zerodp's
+    WarmupLR, WarmupDecayLR, WarmupCosineLR), which recompute every lr from t."""
+    if not hasattr(scheduler, "last_batch_iteration"):
+        raise CheckpointError(
+            f"the checkpoint's LR scheduler state is a DeepSpeed schedule's (last_batch_iteration "
+            f"{iteration!r}), which {type(scheduler).__name__} cannot take; configure the same "
+            "DeepSpeed schedule (WarmupLR, WarmupDecayLR or WarmupCosineLR), or pass "
+            "load_lr_scheduler_states=False"
+        )
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < -1:
+        raise CheckpointError(
+            f"checkpoint lr_scheduler: last_batch_iteration is {iteration!r}, not an integer "
+            ">= -1; the checkpoint's zerodp_state.json is damaged"
+        )
+
+
 def _class_label(optimizer: torch.optim.Optimizer) -> str:
     """The optimizer's class, or its members' classes ("Muon+AdamW") for several optimizers
     stepped as one (`zerodp.optim.torch_optimizers.OptimizerChain`)."""
@@ -103,6 +120,9 @@ class SchedulerState:
                 f"checkpoint lr_scheduler: expected a JSON object, got {type(state).__name__}; "
                 "the checkpoint's zerodp_state.json is damaged"
             )
+        if set(state) == {"last_batch_iteration"}:  # a DeepSpeed schedule's (`zerodp convert`)
+            _check_deepspeed_schedule(self.scheduler, state["last_batch_iteration"])
+            return
         check_like(state, self.state_dict(), "checkpoint lr_scheduler")
 
     def load_state_dict(self, state: Any) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.comm import object_collectives
+from zerodp.comm.agreement import agreement
 from zerodp.comm.faults.collective_history import CollectiveHistory, recorded
 from zerodp.comm.faults.failure_notices import (
     FailureBoard,
@@ -76,6 +77,7 @@ class Comm:
         # checks. A subgroup uses its parent's unless given its own.
         watch = parent is None and stall_checks and self.world_size > 1 and _is_gloo(group)
         self._on_stall: OnStall | None = self._check_stall if watch else None
+        self.watches_stalls = watch  # and so agrees ([Note: agreeing before a collective])
         # Pass notices of the order check beside the process's exit notices.
         self.failure_boards: list[FailureBoard] = (
             parent.failure_boards if parent is not None else []
@@ -142,6 +144,13 @@ class Comm:
         if places:
             return uneven_inputs_error(places)
         return None
+
+    def agree_first(self, kind: str) -> None:
+        """Before a collective (`kind`): if this rank began an activity since the last one,
+        agree on it with every rank (see [Note: agreeing before a collective])."""
+        root = self if self._parent is None else self._parent
+        if root.watches_stalls:
+            agreement().before(root, kind)
 
     def _check_stall(self) -> None:
         """A wait lasts: say where this rank is, and stop if another rank is stuck elsewhere."""

@@ -17,7 +17,8 @@ from zerodp.checkpoint import (
 )
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
-from zerodp.comm.faults.uneven_inputs import Activity, whereabouts
+from zerodp.comm.agreement import agreement
+from zerodp.comm.faults.uneven_inputs import Activity
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.data_loader import ZeroDataLoader
@@ -53,16 +54,30 @@ class CheckpointMethods:
         raise NotImplementedError  # ZeroEngine's
 
     def save_checkpoint(
-        self, save_dir: Any, tag: str | None = None, client_state: Any = None
+        self,
+        save_dir: Any,
+        tag: str | None = None,
+        client_state: Any = None,
+        *,
+        random_states: bool = True,
     ) -> str:
         """Save everything needed to resume, sharded, with torch.distributed.checkpoint.
 
         A collective: every rank calls it. Written under a temporary name and made
         visible (renamed, then `latest` updated) only once every rank has finished.
         Returns the checkpoint's path. See zerodp.checkpoint for the format.
+        `random_states=False` leaves out the random generator states (when they are not
+        the run's, as in `zerodp convert`); loading it then leaves the generators as
+        they are, and says so.
         """
-        with whereabouts().doing(Activity.SAVING):  # see [Note: uneven inputs]
-            path = save_checkpoint(self._checkpoint_subject(), save_dir, tag, client_state)
+        with agreement().doing(Activity.SAVING):  # [Note: agreeing before a collective]
+            path = save_checkpoint(
+                self._checkpoint_subject(),
+                save_dir,
+                tag,
+                client_state,
+                random_states=random_states,
+            )
         return str(path)
 
     def load_checkpoint(
@@ -83,7 +98,7 @@ class CheckpointMethods:
         `load_dir`, nothing is loaded and (None, None) is returned, as in DeepSpeed.
         What was restored and what not is logged and kept in `last_load_report`.
         """
-        with whereabouts().doing(Activity.LOADING):  # see [Note: uneven inputs]
+        with agreement().doing(Activity.LOADING):  # [Note: agreeing before a collective]
             options = LoadOptions(
                 tag=tag,
                 load_optimizer_states=load_optimizer_states,

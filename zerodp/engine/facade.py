@@ -22,8 +22,9 @@ from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
 from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
-from zerodp.comm.faults.uneven_inputs import whereabouts
-from zerodp.comm.group import local_rank
+from zerodp.comm.agreement import agreement
+from zerodp.comm.faults.uneven_inputs import Activity, whereabouts
+from zerodp.comm.group import comms_timeout, local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import Removable, assemble
@@ -73,6 +74,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         param_managers.refuse_managed(module)
         comm = Comm(stall_checks=config.comms_stall_checks)
         check_ranks_agree(comm, config, module)  # one small collective, before any other
+        agreement().install(comm, comms_timeout(config.comms_timeout_s))
         self.config = config
         self.module = module
         self._destroyed = False
@@ -115,6 +117,10 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.tensor_parallel = parts.tensor_parallel  # None without tensor parallelism
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
+        # Each backward is an activity the ranks agree on ([Note: agreeing before a collective]).
+        self._handles.append(
+            self.lifecycle.on_prologue(lambda task: agreement().begin(Activity.BACKWARD))
+        )
         self._guard = guards.ModuleGuard(module)
         self._handles.append(self._guard)
         state = self.train_state  # its step counts, should this rank get stuck (uneven inputs)
@@ -132,6 +138,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
             if self.tensor_parallel is not None:  # the first forward's inputs, compared
                 self.tensor_parallel.on_forward_start(args, kwargs)
             self._announce_round(args, kwargs)  # inside engine.join() only
+            agreement().begin(Activity.FORWARD)  # see [Note: agreeing before a collective]
 
     def ensure_no_stale_backward(self) -> None:
         """Abort a backward that ended in an exception (its epilogue will never come)."""

@@ -77,6 +77,7 @@ def build_optimizer(
         gradient_clipping=config.gradient_clipping,
         gate=backward.gate,
         train_state=train_state,
+        comm=comms.world,
         loss_scaler=loss_scaler,
         offload=(
             OffloadedSteps(offload, storage)

@@ -15,6 +15,16 @@ directly with `engine.load_checkpoint`, which reads only each rank's part.
 
 `--hf DIR` also writes the full weights as Hugging Face safetensors, in
 bounded memory (see `zerodp.checkpoint.deepspeed.export`).
+
+Loading the result gives what loading the DeepSpeed checkpoint directly
+gives: the client_state the run saved, the counters (micro-steps counted with
+the run's gradient_accumulation_steps, as a direct load into an engine with
+the run's gas counts them), the LR scheduler's state as DeepSpeed saved it
+(`SavedScheduler`: also a torch scheduler the run passed in itself), the loss
+scaler, the optimizer state and settings,
+frozen parameters and buffers. DeepSpeed saves no random generator states, so
+the zerodp checkpoint keeps none either, and a load leaves the generators as
+they are (as a direct load does) instead of taking the converting process's.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ from torch import nn
 
 from zerodp.checkpoint.deepspeed.export import RunDescription, describe_run, export_safetensors
 
-_CONFIG_BLOCKS = ("optimizer", "scheduler", "gradient_clipping", "fp16", "bf16")
+# The scheduler is not rebuilt from the config: its saved state is carried (`SavedScheduler`).
+_CONFIG_BLOCKS = ("optimizer", "gradient_clipping", "fp16", "bf16")
 
 
 class StandIn(nn.Module):
@@ -63,10 +74,57 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return module, leaf
 
 
+class SavedScheduler:
+    """The run's LR scheduler, as its saved state only: DeepSpeed's `{"last_batch_iteration":
+    t}` for a schedule its config names, torch's state dict for one the run passed in. The
+    zerodp checkpoint keeps it as saved, so that the scheduler of the engine that loads it
+    (built as the run built its own) takes it as a direct load would: a schedule rebuilt
+    here would take the stand-in's lrs, the saved (decayed) ones, as its peak. The stand-in
+    engine never steps."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    @property
+    def last_batch_iteration(self) -> Any:
+        """DeepSpeed's step count, when the saved state is a DeepSpeed schedule's."""
+        return self._state.get("last_batch_iteration")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def step(self) -> None:
+        raise RuntimeError("internal error: the conversion's engine steps nothing")
+
+
+def _scheduler(run: RunDescription) -> Any:
+    """A `SavedScheduler` holding the run's saved scheduler state (None: it had none)."""
+    saved = run.model.lr_scheduler
+    if not isinstance(saved, dict):
+        return None
+    return lambda optimizer: SavedScheduler(saved)
+
+
+def _group_settings(run: RunDescription) -> list[dict[str, Any]]:
+    """Each param group's settings for the stand-in's optimizer: the run's hyperparameters;
+    all its settings when it passed its own torch optimizer (its config names none), so
+    that the checkpoint keeps that optimizer's flags (fused, foreach, ...), not the ones
+    zerodp would pick for a config optimizer."""
+    if "optimizer" in run.model.ds_config or not any(run.saved_group_settings):
+        return run.group_settings
+    return [dict(settings) for settings in run.saved_group_settings]
+
+
 def _config(run: RunDescription) -> dict[str, Any]:
     saved = run.model.ds_config
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
     config.update({k: copy.deepcopy(saved[k]) for k in _CONFIG_BLOCKS if k in saved})
+    gas = saved.get("gradient_accumulation_steps")
+    if isinstance(gas, int) and not isinstance(gas, bool) and gas > 1:
+        config["gradient_accumulation_steps"] = gas  # micro-steps counted as the run did
     if "optimizer" not in config:  # the run passed its own optimizer: Adam with its settings
         config["optimizer"] = {"type": "AdamW", "params": {}}
     if run.dtype == torch.bfloat16:
@@ -95,12 +153,18 @@ def convert_deepspeed(
     by_name = dict(module.named_parameters())
     groups = [
         {"params": [by_name[n] for n in members], **settings}
-        for members, settings in zip(run.group_members, run.group_settings, strict=True)
+        for members, settings in zip(run.group_members, _group_settings(run), strict=True)
     ]
-    engine, *_ = zerodp.initialize(model=module, model_parameters=groups, config=_config(run))
+    engine, *_ = zerodp.initialize(
+        model=module, model_parameters=groups, config=_config(run), lr_scheduler=_scheduler(run)
+    )
     try:
-        engine.load_checkpoint(str(run.files.folder.parent), tag=run.files.folder.name)
-        path = engine.save_checkpoint(dst, tag=run.files.folder.name)
+        _, client_state = engine.load_checkpoint(
+            str(run.files.folder.parent), tag=run.files.folder.name
+        )
+        path = engine.save_checkpoint(
+            dst, tag=run.files.folder.name, client_state=client_state, random_states=False
+        )
     finally:
         engine.destroy()
     written: list[Path] = []

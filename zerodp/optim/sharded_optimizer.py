@@ -22,6 +22,9 @@ from torch import nn
 from zerodp.backward import autograd_api
 from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
+from zerodp.comm import Comm
+from zerodp.comm.agreement import agreement
+from zerodp.comm.faults.uneven_inputs import Activity
 from zerodp.group import GroupState
 from zerodp.optim.grad_norm import (
     NormReduction,
@@ -65,6 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gradient_clipping: float,
         gate: StepGate,
         train_state: TrainState,
+        comm: Comm,
         loss_scaler: LossScaler | None = None,
         offload: OffloadedSteps | None = None,
         device: torch.device | None = None,
@@ -83,6 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = gradient_clipping
         self._gate = gate
         self._train_state = train_state
+        self._comm = comm  # the world's, for the agreement before a step
         self.loss_scaler = loss_scaler or LossScaler.none()
         self._offload = offload
         self._device = device
@@ -156,6 +161,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def apply_step(self) -> None:
         """One optimizer step on the averaged gradients; the caller has checked it may run."""
+        # Every rank steps now, or none changes anything ([Note: agreeing before a collective]).
+        agreement().agree_now(self._comm, Activity.STEP, "the optimizer step")
         self.adopt_replaced_params()
         if self._reducer.any_local:
             self._reducer.reduce_local()

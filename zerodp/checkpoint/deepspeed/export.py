@@ -58,7 +58,10 @@ class RunDescription:
     dtype: torch.dtype  # the training dtype of the saved weights
     buffers: dict[str, torch.Tensor]
     group_members: list[list[str]]
-    group_settings: list[dict[str, Any]]
+    group_settings: list[dict[str, Any]]  # lr, betas, eps, weight_decay of each param group
+    # Every setting of each param group as the run's optimizer saved it (empty when the
+    # checkpoint keeps none): a torch optimizer the run passed in saved its flags too.
+    saved_group_settings: list[dict[str, Any]]
 
 
 def describe_run(src: str | Path, tag: str | None) -> RunDescription:
@@ -67,9 +70,10 @@ def describe_run(src: str | Path, tag: str | None) -> RunDescription:
     optimizer = source.optimizer
     dtypes = {v.dtype for k, v in model.module.items() if k not in model.buffer_names}
     floating = [d for d in dtypes if d.is_floating_point]
+    groups = optimizer.param_groups or [{} for _ in optimizer.group_members]
     settings = [
         {k: v for k, v in group.items() if k in ("lr", "betas", "eps", "weight_decay")}
-        for group in (optimizer.param_groups or [{} for _ in optimizer.group_members])
+        for group in groups
     ]
     return RunDescription(
         files=files,
@@ -80,6 +84,7 @@ def describe_run(src: str | Path, tag: str | None) -> RunDescription:
         buffers={name: model.module[name] for name in model.buffer_names if name in model.module},
         group_members=optimizer.group_members,
         group_settings=settings,
+        saved_group_settings=[{k: v for k, v in g.items() if k != "params"} for g in groups],
     )
 
 

@@ -163,6 +163,9 @@ def recorded(kind: str) -> Callable[[F], F]:
             history.refuse_if_broken(kind)
             label = getattr(self, "label", "world")
             named = kind if label == "world" else f"{kind} in the {label} group"
+            agree_first = getattr(self, "agree_first", None)
+            if agree_first is not None:  # see [Note: agreeing before a collective]
+                agree_first(named)
             record = history.issue(named, _nbytes(args))
             try:
                 result = method(self, *args, **kwargs)

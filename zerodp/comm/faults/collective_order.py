@@ -117,6 +117,7 @@ class CollectiveOrder:
         self.timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         self._describe = describe
         self._advise = advise
+        self._agree_first = comm.agree_first
         prefix = f"zerodp/order/{next(_INSTANCES)}/"
         self._store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
         # This check's pass notices; exit notices are the process's ([Note: failure notices]).
@@ -154,6 +155,9 @@ class CollectiveOrder:
         if not self._passes:
             return
         self.raise_if_failed()
+        # The ranks agree on what they do before this pass's store posts, as before its
+        # collectives ([Note: agreeing before a collective]).
+        self._agree_first(operation)
         current = self._passes[-1]
         entry = (operation, tag)
         if not current.checked:

@@ -46,3 +46,7 @@ class WatchedComm(Protocol):
     def failure_boards(self) -> list[FailureBoard]: ...
 
     on_stall: OnStall | None
+
+    def agree_first(self, kind: str) -> None:
+        """Before a collective (`kind`): agree on this rank's activity with every rank, if it
+        began one since ([Note: agreeing before a collective] in `zerodp.comm.agreement`)."""

@@ -10,8 +10,9 @@ collective, and nothing says "uneven inputs".
 
 So a rank whose wait lasts (`Comm.on_stall`, each `STALL_POLL_S` seconds, gloo
 only: an NCCL wait returns at once and the GPU waits) posts where it is in the
-process group's store: what it is doing (training, saving or loading a
-checkpoint) and its step counts; a rank whose script ends posts that too. It
+process group's store: what it is doing (a forward, a backward, an optimizer
+step, saving or loading a checkpoint: `Activity`) and its step counts; a rank
+whose script ends posts that too. It
 then reads the other ranks' posts. Two ranks stuck at different places (a save
 against a step, step 4 against step 3, a step against the end of a script)
 cannot both go on: every rank that sees that raises the same
@@ -20,18 +21,21 @@ that a peer blocked elsewhere fails at once. A post is removed when its wait
 completes, so a rank that was merely slow leaves nothing behind.
 
 The cost is nothing while collectives complete: the activity is a field set
-around saves and loads, the step counts are read only once a wait has lasted a
-second. `engine.join()` (DDP's `Join`) is the way to train on uneven inputs.
+when each activity begins, the step counts are read only once a wait has lasted
+a second. Most disagreements are found before this, without a wait: the ranks
+agree on each activity before its first collective ([Note: agreeing before a
+collective] in `zerodp.comm.agreement`); these posts find a rank whose script
+ended and one stuck where nothing was agreed. `engine.join()` (DDP's `Join`) is
+the way to train on uneven inputs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +52,16 @@ _SEEN_POLL_S = 0.05
 
 
 class Activity(enum.Enum):
-    """What a rank is doing, as far as its collectives go."""
+    """What a rank is doing, as far as its collectives go (the ones after TRAINING are
+    agreed on before their first collective: [Note: agreeing before a collective])."""
 
     TRAINING = "training"
     SAVING = "saving a checkpoint"
     LOADING = "loading a checkpoint"
     FINISHED = "ended its script"
+    FORWARD = "in a forward pass"
+    BACKWARD = "in a backward pass"
+    STEP = "in an optimizer step"
 
 
 Position = Callable[[], tuple[int, int]]  # (optimizer steps taken, micro-steps taken)
@@ -107,15 +115,6 @@ class Whereabouts:
     def track(self, position: Position) -> None:
         """Read step counts from `position` (the engine that trains; the last one wins)."""
         self._position = position
-
-    @contextlib.contextmanager
-    def doing(self, activity: Activity) -> Iterator[None]:
-        """`activity` for the duration of the block (a save, a load)."""
-        before, self.activity = self.activity, activity
-        try:
-            yield
-        finally:
-            self.activity = before
 
     def here(self, rank: int, waiting_in: str) -> Place:
         steps, micro_steps = self._position() if self._position is not None else (0, 0)
@@ -211,10 +210,12 @@ class Whereabouts:
             time.sleep(_SEEN_POLL_S)
 
 
-def uneven_inputs_error(places: list[Place]) -> UnevenInputsError:
+def uneven_inputs_error(
+    places: list[Place], found: str = "stuck in different places"
+) -> UnevenInputsError:
     """The error every rank raises when the ranks are at `places` (the same on each)."""
     return UnevenInputsError(
-        "uneven inputs: the ranks are stuck in different places: "
+        f"uneven inputs: the ranks are {found}: "
         + "; ".join(place.describe() for place in places)
         + ". Every rank must make the same zerodp calls in the same order, so each needs "
         "the same number of batches: drop the remainder (drop_last=True, "
