@@ -60,6 +60,15 @@ MOVED: dict[str, Moved] = {
         "zerodp.checkpoint.deepspeed.destinations", public=False
     ),
     "zerodp.optim.parts": Moved("zerodp.optim.torch_optimizers", public=False),
+    # comm/'s failure handling, moved into comm/faults/ (and renamed), and its other renames.
+    "zerodp.comm.whereabouts": Moved("zerodp.comm.faults.uneven_inputs", public=False),
+    "zerodp.comm.order": Moved("zerodp.comm.faults.collective_order", public=False),
+    "zerodp.comm.history": Moved("zerodp.comm.faults.collective_history", public=False),
+    "zerodp.comm.failures": Moved("zerodp.comm.faults.failure_notices", public=False),
+    "zerodp.comm.waiting": Moved("zerodp.comm.faults.polled_waits", public=False),
+    "zerodp.comm.teardown": Moved("zerodp.comm.faults.teardown", public=False),
+    "zerodp.comm.wrappers": Moved("zerodp.comm.data_parallel_wrappers", public=False),
+    "zerodp.comm.objects": Moved("zerodp.comm.object_collectives", public=False),
 }
 
 
