@@ -33,7 +33,16 @@ from zerodp.comm.topology import (
     nodes_from_views,
 )
 from zerodp.errors import ConfigError, ConfigWarning
-from zerodp.parallel import LABELS, REPLICA, SECONDARY, SEQUENCE, SHARD, TENSOR, ParallelDims
+from zerodp.parallel import (
+    LABELS,
+    REPLICA,
+    SECONDARY,
+    SEQUENCE,
+    SHARD,
+    TENSOR,
+    ParallelDims,
+    composition_problems,
+)
 
 WITHIN_NODE = "within a node"
 ACROSS_NODES = "across nodes"
@@ -143,6 +152,7 @@ def group_comms(
         # A shard group spreads over shard_size x tensor_size consecutive ranks.
         span = dims.shard_size * dims.tensor_size
         problems = check_sizes(world_size, node, span, secondary_size)
+        problems += composition_problems(sequence_size, tensor_size)
         if problems:
             raise ConfigError("; ".join(problems))
         node_size = node.ranks
@@ -156,6 +166,8 @@ def group_comms(
     for label in LABELS:
         if dims.needs_group(label):
             made[label] = Comm(_own_group(dims, label, timeout), label=label, parent=world)
+        elif dims.group_size(label) == world_size > 1 and label in (SHARD, SEQUENCE, TENSOR):
+            made[label] = world  # the dimension spans every rank: its group is the world's
     return GroupComms(
         dims,
         node_size,

@@ -102,6 +102,7 @@ def load_config(
         parsed.train_micro_batch_size_per_gpu,
         parsed.gradient_accumulation_steps,
         world_size,
+        parsed.sequence_parallel_size,
     )
     return parsed.model_copy(
         update={

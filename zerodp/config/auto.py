@@ -109,8 +109,10 @@ def _batch_sizes(out: dict[str, Any], hints: AutoHints, problems: list[str]) -> 
         out[_MICRO] = hints.micro_batch_size
     if _TRAIN in autos and _is_int(out.get(_MICRO)) and hints.world_size is not None:
         gas = out.get(_GAS, 1)
-        if _is_int(gas):
-            out[_TRAIN] = out[_MICRO] * gas * hints.world_size
+        # The data ranks: a sequence group's ranks share their samples (zerodp.config.batch).
+        sequence = out.get("sequence_parallel_size", 1)
+        if _is_int(gas) and _is_int(sequence) and sequence > 0 and hints.world_size % sequence == 0:
+            out[_TRAIN] = out[_MICRO] * gas * (hints.world_size // sequence)
     if _TRAIN not in out and _MICRO not in out:
         problems.append(
             f'{_keys(autos)} "auto", and zerodp cannot tell the micro-batch size: set '

@@ -1,4 +1,8 @@
-"""Batch-size arithmetic: train_batch_size = micro batch x accumulation steps x world size.
+"""Batch-size arithmetic: train_batch_size = micro batch x accumulation steps x data ranks.
+
+The data ranks are the ranks that read different samples: the world size, divided by
+`sequence_parallel_size` (the ranks of a sequence group share their samples), as in
+DeepSpeed (see rule 4 of [Note: parallel dimensions] in `zerodp.parallel.dims`).
 
 Kept apart from the models because it needs the world size, which is a fact
 about the launch, not about the config file, and because it is pure integer
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerodp.errors import ConfigError
+from zerodp.parallel import data_parallel_size
 
 _TRAIN = "train_batch_size"
 _MICRO = "train_micro_batch_size_per_gpu"
@@ -31,14 +36,17 @@ def resolve_batch_sizes(
     train_micro_batch_size_per_gpu: int | None,
     gradient_accumulation_steps: int | None,
     world_size: int,
+    sequence_parallel_size: int = 1,
 ) -> BatchSizes:
     """Fill in whichever of the three sizes is missing, or check all three agree.
 
     Any two determine the third. With only `train_batch_size`, accumulation is
     1 and the micro batch is the per-rank share; with only the micro batch,
-    accumulation is 1.
+    accumulation is 1. The ranks counted are the data ranks (world size /
+    `sequence_parallel_size`).
     """
     _check_positive("world size", world_size)
+    ranks = data_parallel_size(world_size, sequence_parallel_size)
     for name, value in (
         (_TRAIN, train_batch_size),
         (_MICRO, train_micro_batch_size_per_gpu),
@@ -51,25 +59,31 @@ def resolve_batch_sizes(
         train_batch_size,
         train_micro_batch_size_per_gpu,
         gradient_accumulation_steps,
-        world_size,
+        ranks,
+    )
+    ranks_text = (
+        f"world size {w}"
+        if sequence_parallel_size == 1
+        else f"data-parallel size {w} (world size {world_size} / sequence_parallel_size "
+        f"{sequence_parallel_size})"
     )
     if t is not None and m is not None and g is not None:
         if t != m * g * w:
             raise ConfigError(
-                f"{_TRAIN} {t} != {_MICRO} {m} x {_GAS} {g} x world size {w} = {m * g * w}; "
+                f"{_TRAIN} {t} != {_MICRO} {m} x {_GAS} {g} x {ranks_text} = {m * g * w}; "
                 "fix one of the three"
             )
         return BatchSizes(t, m, g)
     if t is not None and m is not None:
-        g = _divide(t, m * w, f"{_MICRO} {m} x world size {w}", f"or change {_MICRO}")
+        g = _divide(t, m * w, f"{_MICRO} {m} x {ranks_text}", f"or change {_MICRO}")
         return BatchSizes(t, m, g)
     if t is not None and g is not None:
-        m = _divide(t, g * w, f"{_GAS} {g} x world size {w}", f"or change {_GAS}")
+        m = _divide(t, g * w, f"{_GAS} {g} x {ranks_text}", f"or change {_GAS}")
         return BatchSizes(t, m, g)
     if m is not None and g is not None:
         return BatchSizes(m * g * w, m, g)
     if t is not None:
-        m = _divide(t, w, f"world size {w}", f"or set {_MICRO} and {_GAS}")
+        m = _divide(t, w, ranks_text, f"or set {_MICRO} and {_GAS}")
         return BatchSizes(t, m, 1)
     if m is not None:
         return BatchSizes(m * w, m, 1)

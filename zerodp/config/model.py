@@ -262,6 +262,14 @@ class ZeroDPConfig(Section):
     communication_data_type: (
         Annotated[Literal["fp32", "fp16", "bf16"], choice(("fp32", "fp16", "bf16"))] | None
     ) = None
+    # Ulysses sequence parallelism (docs/sequence-parallel.md): each sequence split over this
+    # many consecutive ranks; with more than one, gradients are reduced in
+    # seq_parallel_communication_data_type (DeepSpeed's rule and default) instead of
+    # communication_data_type.
+    sequence_parallel_size: PosInt = 1
+    seq_parallel_communication_data_type: Annotated[
+        Literal["fp32", "fp16", "bf16"], choice(("fp32", "fp16", "bf16"))
+    ] = "fp32"
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
@@ -285,6 +293,51 @@ class ZeroDPConfig(Section):
                     "half-precision mode; set one of them to false"
                 ),
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_composes(self) -> ZeroDPConfig:
+        size = self.sequence_parallel_size
+        if size == 1:
+            return self
+        zero = self.zero_optimization
+        refused = (
+            (
+                zero.mics_shard_size > 0,
+                "zero_optimization.mics_shard_size",
+                "shard groups",
+                "-1 (shard over all ranks)",
+            ),
+            (
+                zero.zero_hpz_partition_size > 1,
+                "zero_optimization.zero_hpz_partition_size",
+                "hpZ's secondary shards",
+                "1",
+            ),
+            (
+                self.compile.enabled,
+                "compile.enabled",
+                "torch.compile",
+                "false",
+            ),
+            (
+                self.eigenvalue.enabled,
+                "eigenvalue.enabled",
+                "the eigenvalue monitor",
+                "false",
+            ),
+        )
+        for on, key, feature, fix in refused:
+            if on:
+
+                def render(k: tuple[str, ...], feature: str = feature, fix: str = fix) -> str:
+                    return (
+                        f"config key '{k[0]}' is {size} with '{k[1]}': zerodp does not combine "
+                        f"sequence parallelism with {feature} yet; set '{k[1]}' to {fix}, or "
+                        f"'{k[0]}' to 1"
+                    )
+
+                raise SectionRuleError(("sequence_parallel_size", key), render)
         return self
 
     @property

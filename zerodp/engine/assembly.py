@@ -10,7 +10,9 @@
    optimizer parameters, or on whole tensors for those that read whole tensors:
    `zerodp.optim.tensorwise`), zerodp's optimizer around them, the LR scheduler;
 4. the monitors, the data loader and the post-training parts (generation,
-   weight streaming, state offload).
+   weight streaming, state offload);
+5. with `sequence_parallel_size` > 1, the sequence-parallel parts
+   (`zerodp.sequence`: attention switched, forward inputs split).
 
 An engine with nothing to train is an inference engine (see [Note: inference
 engine] in `zerodp.posttrain`): step 3 builds no optimizer of its own (one that
@@ -54,6 +56,7 @@ from zerodp.optim.tensorwise import TensorwiseStep
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
+from zerodp.sequence import SequenceParallel
 from zerodp.train_state import TrainState
 
 
@@ -92,6 +95,7 @@ class EngineParts:
     offload: OffloadPolicy
     offload_storage: OffloadStorage | None
     posttrain: PostTraining
+    sequence: SequenceParallel | None  # sequence_parallel_size > 1 only
 
 
 def assemble(
@@ -113,6 +117,7 @@ def assemble(
         comm,
         shard_size=zero.mics_shard_size,
         secondary_size=zero.zero_hpz_partition_size,
+        sequence_size=config.sequence_parallel_size,
         timeout=timeout,
     )
     strategy = strategy_for(zero.stage, across_replicas=comms.dims.hybrid)
@@ -187,8 +192,11 @@ def assemble(
         device=device,
         gate=backward.gate,
     )
+    sequence = _sequence_parallel(module, comms)
     # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
     handles: list[Removable] = [*backward.handles, *frozen, posttrain.offload]
+    if sequence is not None:
+        handles.append(sequence)
     return EngineParts(
         comm=comm,
         comms=comms,
@@ -230,7 +238,14 @@ def assemble(
         offload=offload,
         offload_storage=model.storage,
         posttrain=posttrain,
+        sequence=sequence,
     )
+
+
+def _sequence_parallel(module: nn.Module, comms: GroupComms) -> SequenceParallel | None:
+    if comms.sequence is None:
+        return None
+    return SequenceParallel(module, comms.sequence, comms.dims)
 
 
 def _data_loader(

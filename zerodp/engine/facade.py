@@ -112,6 +112,8 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.offload = parts.offload
         self._offload_storage = parts.offload_storage
         self.posttrain = parts.posttrain
+        # sequence_parallel_size > 1: the sequence group and its parts (docs/sequence-parallel.md)
+        self.sequence_parallel = parts.sequence
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         self._guard = guards.ModuleGuard(module)
@@ -294,6 +296,16 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
     def world_size(self) -> int:
         """The number of data-parallel ranks."""
         return self.comm.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """D: the ranks that read different samples (world size / sequence_parallel_size)."""
+        return self.comms.dims.data_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of the D parts of the data this rank reads (the same in a sequence group)."""
+        return self.comms.dims.data_index
 
     @property
     def local_rank(self) -> int:

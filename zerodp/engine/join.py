@@ -43,6 +43,7 @@ from zerodp.comm.join import (
     join_enabled,
     notify_join,
 )
+from zerodp.comm.subgroups import GroupComms
 from zerodp.errors import UsageError
 
 
@@ -58,6 +59,7 @@ class JoinMethods(Joinable):
 
     # Provided by ZeroEngine.
     comm: Comm
+    comms: GroupComms
     device: torch.device
     reducer: GradientReducer
 
@@ -86,6 +88,15 @@ class JoinMethods(Joinable):
         run out; see [Note: joining uneven inputs]. The same as torch's
         `Join([engine], ...)`, with DDP's arguments and defaults.
         """
+        sequence_size = self.comms.dims.sequence_size
+        if sequence_size > 1:
+            raise UsageError(
+                f"engine.join() with sequence_parallel_size {sequence_size}: zerodp does not "
+                "combine joining uneven inputs with sequence parallelism yet (the ranks of a "
+                "sequence group read the same batches, so they run out together); give every "
+                "data-parallel rank the same number of batches, or set sequence_parallel_size "
+                "to 1"
+            )
         return Join(
             [self],
             enable=enable,

@@ -16,6 +16,9 @@ from zerodp.parallel.dims import (
     TENSOR,
     WORLD,
     ParallelDims,
+    SequenceSlice,
+    composition_problems,
+    data_parallel_size,
     size_problems,
 )
 
@@ -28,5 +31,8 @@ __all__ = [
     "TENSOR",
     "WORLD",
     "ParallelDims",
+    "SequenceSlice",
+    "composition_problems",
+    "data_parallel_size",
     "size_problems",
 ]
