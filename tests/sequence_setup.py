@@ -59,9 +59,10 @@ class Case:
     length: int = 13  # not a multiple of 2 or 4
     steps: int = 3
     masked_prompt: bool = False  # the first slice holds no target token
-    padding: bool = False  # row 1 ends in padding (attention_mask 0, labels -100)
+    padding: bool = False  # row 1 starts with padding (attention_mask 0, labels -100)
     packed: bool = False  # position_ids restart inside each row (two documents)
     checkpointing: bool = False  # transformers' gradient checkpointing on both models
+    attention: str = "sdpa"  # the model's attention implementation ("eager": its own function)
     dtype: str = "fp32"  # "bf16" and "fp16" need optimizer "sgd" (see MIXED_TOLERANCE)
     zero: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # further top-level config keys
@@ -125,10 +126,14 @@ def batch(case: Case, step: int, micro: int, replica: int) -> dict[str, torch.Te
         local = math.ceil(case.length / case.sequence)
         labels[:, : local + 1] = -100
     if case.padding:
+        # Left padding: without the mask, every later token would attend to the pads. The
+        # last pad's target (the first real token) is masked too: a pad query may attend to
+        # nothing, and eager attention then averages every key of the (padded) sequence, a
+        # meaningless output that depends on the length (docs/sequence-parallel.md).
         mask = torch.ones_like(ids)
-        mask[1, -4:] = 0
-        labels[1, -4:] = -100
-        ids[1, -4:] = 2  # the pad token
+        mask[1, :4] = 0
+        labels[1, :5] = -100
+        ids[1, :4] = 2  # the pad token
         out["attention_mask"] = mask
     if case.packed:
         cut = case.length // 2 + 1
@@ -257,6 +262,7 @@ def train_and_compare(
 def run_case(case: Case) -> dict[str, Any]:
     """The comparisons of the module doc for one case; what was seen, for the test to check."""
     model = build_llama(0)
+    model.set_attn_implementation(case.attention)
     if case.checkpointing:
         model.gradient_checkpointing_enable()
     reference = Reference(case, copy.deepcopy(model))

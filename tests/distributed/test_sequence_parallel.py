@@ -10,7 +10,8 @@ step (fp32 within 1e-5), and the sequence length every decoder layer saw (ceil(1
 
 World size 2 (S = 2): stages 0-3 with accumulation 1 and 2, AdamW and SGD, clipping; a masked
 prompt leaving the first slice without a target; a padded row (attention mask); packed
-sequences (positions restarting in a row); transformers' gradient checkpointing at stage 3;
+sequences (positions restarting in a row); the eager attention function with its float mask;
+transformers' gradient checkpointing at stage 3;
 Muon (whole matrices exchanged to their owners); bf16 and fp16 (against the same recipe in one
 process); optimizer offload. A model zerodp does not switch (its attention wrapped with
 `zerodp.sequence.sequence_parallel_attention`, the loop splitting its own inputs). Misuse:
@@ -21,7 +22,8 @@ label-free forward under no_grad run whole and equal one process. The all-to-all
 step against their closed form.
 
 World size 4: S = 2 x D = 2 (two replicas, each rank's batch that of its data rank) and S = 4
-(more ranks than key/value heads: each key/value head repeated); the engine's loader gives a
+(more ranks than key/value heads: each key/value head repeated; eager and sdpa, with a padding
+or packing mask, so both expand the key/value heads by the local ratio); the engine's loader gives a
 sequence group the same samples and the replicas different ones; a checkpoint saved at
 (S = 2, D = 1) resumes at (S = 1, D = 2), (S = 2, D = 1) at stage 3 and (S = 2, D = 2).
 """
@@ -56,6 +58,7 @@ WORLD_2 = [
     Case(2, optimizer="muon", clip=0.05),
     Case(2, zero={"offload_optimizer": {"device": "cpu"}}, clip=0.05),
     Case(3, optimizer="sgd", clip=0.05, padding=True),
+    Case(2, optimizer="sgd", attention="eager", padding=True, masked_prompt=True),
     Case(3, gas=2, checkpointing=True, masked_prompt=True, packed=True),
     Case(1, optimizer="sgd", dtype="bf16"),
     Case(3, optimizer="sgd", dtype="fp16", gas=2),
@@ -63,7 +66,7 @@ WORLD_2 = [
 WORLD_4 = [
     Case(1, gas=2, clip=0.05, masked_prompt=True),
     Case(3, optimizer="sgd", padding=True),
-    Case(2, sequence=4, clip=0.05, masked_prompt=True),
+    Case(2, sequence=4, clip=0.05, masked_prompt=True, attention="eager", padding=True),
     Case(0, sequence=4, gas=2, optimizer="sgd", packed=True),
 ]
 
@@ -126,3 +129,16 @@ def test_world_4_matches_one_process_and_resumes_across_sizes(pools: Any, tmp_pa
         results = pools(world).run(resume, saved, 1, 2, case, directory)
         expected_replicas = world // case.sequence
         assert all(r["data_parallel_size"] == expected_replicas for r in results), results
+
+
+def long_sequence_example() -> dict[str, Any]:
+    from examples import train_long_sequences
+
+    args = ["--steps", "2", "--seq-len", "63", "--layers", "1", "--hidden", "32", "--heads", "4"]
+    return train_long_sequences.main([*args, "--max-train-bytes", "65536"])
+
+
+def test_the_long_sequence_example_runs(pools: Any) -> None:
+    for summary in pools(2).run(long_sequence_example):
+        assert summary["layer_lengths"] == [32], summary
+        assert summary["last_loss"] < summary["first_loss"], summary
