@@ -239,7 +239,7 @@ def traffic(args: argparse.Namespace, base: nn.Module) -> list[dict[str, Any]]:
                     start = time.perf_counter()
                     engine.step()
                     in_step.append(time.perf_counter() - start)
-                whole = engine.optimizer.parts.tensorwise
+                whole = engine.optimizer.torch_optimizers.tensorwise
                 planned, balance = 0, 1.0
                 if whole is not None:
                     plan = whole.plan

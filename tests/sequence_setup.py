@@ -479,7 +479,7 @@ def loader_samples(sequence: int) -> list[list[int]]:
 
 def attention_bytes() -> dict[str, int]:
     """All-to-all bytes of one forward and backward at stage 0, against the closed form."""
-    from zerodp.comm.collectives import CollectiveKind
+    from zerodp.comm import CollectiveKind
 
     case = Case(0, optimizer="sgd")
     model = build_llama(0)

@@ -4,8 +4,8 @@
     python tools/exit_stress.py --runs 3 --busy 0 --scenarios mismatch,user_error
 
 Two busy loops keep the machine's cores loaded (that is when a process ended by SIGABRT
-at exit used to show up: see [Note: ending the process] in zerodp/comm/teardown.py). The
-table counts each rank's exit status per scenario; a status other than the expected one
+at exit used to show up: see [Note: ending the process] in zerodp/comm/faults/teardown.py).
+The table counts each rank's exit status per scenario; a status other than the expected one
 is printed with that rank's output, and the script exits 1 if there was any.
 """
 

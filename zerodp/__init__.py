@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from zerodp import utils, zero
+from zerodp import old_paths, utils, zero
 from zerodp.backward.step_gate import GradientState
 from zerodp.comm import current_rank, current_world_size, ensure_process_group, is_initialized
 from zerodp.config import ZeroDPConfig, load_config
@@ -34,8 +34,10 @@ from zerodp.errors import (
 )
 from zerodp.optim.tensorwise import declare_elementwise
 from zerodp.posttrain import EngineMode, OffloadDeviceEnum, OffloadStateTypeEnum
+from zerodp.version import __version__
 
-__version__ = "0.1.0"
+# Old import paths (`zerodp.gathered`, `zerodp.data`, ...) keep working or name the new one.
+old_paths.install()
 
 __all__ = [
     "AgreedError",
@@ -62,11 +64,19 @@ __all__ = [
     "ZeroDPConfig",
     "ZeroDPError",
     "ZeroEngine",
+    "__version__",
     "declare_elementwise",
     "initialize",
     "utils",
     "zero",
 ]
+
+
+if not TYPE_CHECKING:  # hidden from type checkers, which would accept any zerodp.<name>
+
+    def __getattr__(name: str) -> Any:
+        """`zerodp.gathered` and the other old root modules, when accessed as attributes."""
+        return old_paths.root_attribute(name)
 
 
 def initialize(

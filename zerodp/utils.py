@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerodp.managed import manager_of
+from zerodp.full_state.param_managers import manager_of
 
 __all__ = [
     "safe_get_full_fp32_param",

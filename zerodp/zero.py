@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from zerodp.gathered import GatheredParameters
+from zerodp.full_state.gathered_parameters import GatheredParameters
+from zerodp.full_state.param_managers import manager_of
+from zerodp.full_state.state_dicts import full_state_dict, load_state_dict, save_state_dict
 from zerodp.group import ParamStatus
-from zerodp.managed import manager_of
 from zerodp.params import leaf, zero_parameter
 from zerodp.params.init import Init
-from zerodp.state_dicts import full_state_dict, load_state_dict, save_state_dict
 
 __all__ = [
     "GatheredParameters",

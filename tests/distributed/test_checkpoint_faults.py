@@ -475,9 +475,9 @@ def _fill_disk_on(rank: int, where: str):
     """Make writes of this rank fail with ENOSPC, as on a full disk; returns the undo."""
     from torch.distributed.checkpoint import filesystem
 
-    from zerodp.checkpoint import plain
+    from zerodp.checkpoint import json_state
 
-    originals = (filesystem.FileSystem.create_stream, plain.write_file_synced)
+    originals = (filesystem.FileSystem.create_stream, json_state.write_file_synced)
     if dist.get_rank() != rank:
         return lambda: None
 
@@ -489,11 +489,11 @@ def _fill_disk_on(rank: int, where: str):
             no_space() if "w" in mode else originals[0](self, path, mode)
         )
     else:
-        plain.write_file_synced = no_space  # type: ignore[assignment]
+        json_state.write_file_synced = no_space  # type: ignore[assignment]
 
     def undo() -> None:
         filesystem.FileSystem.create_stream = originals[0]  # type: ignore[method-assign]
-        plain.write_file_synced = originals[1]
+        json_state.write_file_synced = originals[1]
 
     return undo
 

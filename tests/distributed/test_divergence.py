@@ -1,9 +1,9 @@
 """Ranks that take different paths without leaf modules: one clear error, on every rank, in seconds.
 
-Without the collective order check (`zerodp.comm.order`), a rank that runs a module the
-others skip pairs its all-gather with whatever the others issue next: gloo aborts the
-process when the sizes differ, and with equal sizes (two experts of one shape) training
-finishes with wrong weights (`test_two_experts_of_one_shape`, with the check off). With the
+Without the collective order check (`zerodp.comm.faults.collective_order`), a rank that
+runs a module the others skip pairs its all-gather with whatever the others issue next: gloo
+aborts the process when the sizes differ, and with equal sizes (two experts of one shape)
+training finishes with wrong weights (`test_two_experts_of_one_shape`, with the check off). With the
 check, every rank raises the same `DivergenceError`, naming what each rank was gathering or
 reducing and the module to mark as a leaf: at once when the ranks diverge in a pass they
 check through the store (the first of its kind), and within about a second when a rank
@@ -38,8 +38,8 @@ from tests.moe_models import (
     two_expert_inputs,
     vision_inputs,
 )
+from zerodp.comm.faults.collective_order import DEFAULT_TIMEOUT_S
 from zerodp.comm.group import comms_timeout
-from zerodp.comm.order import DEFAULT_TIMEOUT_S
 from zerodp.testing import ReferenceDP, run_distributed
 from zerodp.testing.parity import assert_params_match
 

@@ -3,9 +3,9 @@ ranks that did not fail naming the one that did.
 
 Each scenario of tools/exit_scenarios.py runs once here, as 2 plain processes (not through
 torchrun, which stops the other ranks with its own SIGTERM once one fails), all scenarios side
-by side. Before [Note: ending the process] (zerodp/comm/teardown.py) these ended now and then
-with SIGABRT ("terminate called without an active exception", status -6) on a busy machine;
-`python tools/exit_stress.py` runs each 20 times under load and tabulates the statuses.
+by side. Before [Note: ending the process] (zerodp/comm/faults/teardown.py) these ended now
+and then with SIGABRT ("terminate called without an active exception", status -6) on a busy
+machine; `python tools/exit_stress.py` runs each 20 times under load and tabulates the statuses.
 The frozen-peer scenarios are covered by test_runtime_faults (through `zerodp run`).
 """
 

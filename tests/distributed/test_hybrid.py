@@ -778,7 +778,7 @@ def tensorwise_cases(
                 "state_error": state_error,
                 "compared": compared,
                 "loaded": (loaded_weights, loaded_state, loaded_compared),
-                "whole": engine.optimizer.parts.tensorwise is not None,
+                "whole": engine.optimizer.torch_optimizers.tensorwise is not None,
                 "replicas": assert_replicas_equal(engine, f"tensorwise {layout} {recipe_name}"),
                 "tolerance": TOLERANCE,
             }

@@ -105,6 +105,7 @@ def test_a_frozen_peer_is_a_named_error_at_the_timeout() -> None:
         assert "rank 0: collective " in out and "failed after 1" in out, out
         named = "reduce_scatter" if stage == 1 else "all_gather"
         assert f"collective {named} #" in out and "from zerodp/" in out, out
+        assert "from zerodp/comm/" not in out, out  # the site is the caller of zerodp.comm
         assert "comms_timeout_s" in out
         assert launch.returncode == 3, (launch.returncode, err)
         assert "Root Cause (first observed failure)" in err and "exitcode  : 3" in err, err

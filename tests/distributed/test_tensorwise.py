@@ -219,7 +219,7 @@ def _run_case(case: Case) -> dict[str, Any]:
         errors = _train(engine, reference, case.gas, STEPS, rtol)
         state_error, compared = _max_state_error(model, reference, rtol)
         facts = layout_facts(engine) if case.stage else {}
-        whole = engine.optimizer.parts.tensorwise
+        whole = engine.optimizer.torch_optimizers.tensorwise
         engine.destroy()
     return {
         "case": case,
@@ -301,7 +301,7 @@ def fragment_control() -> dict[str, float]:
     case = Case("muon_list", 2, 1, False, False, ns="bf16")
     with newton_schulz(case.ns):
         engine, model, reference = _build(case)
-        plan = engine.optimizer.parts.tensorwise.plan  # type: ignore[union-attr]
+        plan = engine.optimizer.torch_optimizers.tensorwise.plan  # type: ignore[union-attr]
         task = next(t for t in plan.tasks if len(t.shape) == 2 and len(t.fragments) >= 2)
         param = dict(model.named_parameters())[task.name]
         ref_param = dict(reference.model.named_parameters())[task.name]
@@ -393,7 +393,10 @@ def path_cases() -> dict[str, dict[str, Any]]:
         config = zerodp_config(2, persistence_threshold=0)
         engine, _, _, _ = zerodp.initialize(model=model, config=config, optimizer=given)
         errors = _train(engine, reference, 1, 2)
-        out[name] = {"whole": engine.optimizer.parts.tensorwise is not None, "error": max(errors)}
+        out[name] = {
+            "whole": engine.optimizer.torch_optimizers.tensorwise is not None,
+            "error": max(errors),
+        }
         out[name]["expected_whole"] = whole
         engine.destroy()
     return out

@@ -216,7 +216,7 @@ TRAINERS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "grpo": "GRPOTrainer"}
 
 def count_rollout_gathers(trainer: Any) -> list[tuple[int, int]]:
     """(all-gather bytes, calls) of the training engine during each GRPO rollout."""
-    from zerodp.comm.collectives import CollectiveKind
+    from zerodp.comm import CollectiveKind
 
     rollouts: list[tuple[int, int]] = []
     generate_single_turn = trainer._generate_single_turn

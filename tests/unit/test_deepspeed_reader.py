@@ -172,7 +172,9 @@ def test_masters_read_through_the_layout_are_deepspeed_s_own(fixture: str) -> No
     source.fill(wanted)
     expected = load_file(str(FIXTURES / name / "expected.safetensors"))
     for item in wanted:
-        assert torch.equal(item.targets["fp32"], expected[f"saved.fp32.{item.name}"].reshape(-1))
+        assert torch.equal(
+            item.destinations["fp32"], expected[f"saved.fp32.{item.name}"].reshape(-1)
+        )
     assert source.optimizer.steps == dict.fromkeys(model.trainable_shapes, run.SAVED_AT)
 
 

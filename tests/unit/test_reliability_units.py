@@ -10,10 +10,10 @@ import torch
 
 import zerodp
 from zerodp.checkpoint import paths
-from zerodp.comm import failures
-from zerodp.comm.collectives import Handle
+from zerodp.comm import Handle
+from zerodp.comm.faults import failure_notices
+from zerodp.comm.faults.collective_history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.comm.group import comms_timeout
-from zerodp.comm.history import CollectiveHistory, CollectiveRecord, recorded
 from zerodp.config import load_config
 from zerodp.errors import CollectiveError
 from zerodp.torch_internals import forward_raised
@@ -159,11 +159,13 @@ def test_a_hook_tells_a_dying_forward_from_a_forward_run_inside_an_except_block(
 
 
 def test_a_failure_notice_round_trips_and_says_where() -> None:
-    notice = failures.FailureNotice(1, "forward", 2, failures.describe_error(MemoryError("x\ny")))
-    again = failures.FailureNotice.decode(1, notice.encode())
+    notice = failure_notices.FailureNotice(
+        1, "forward", 2, failure_notices.describe_error(MemoryError("x\ny"))
+    )
+    again = failure_notices.FailureNotice.decode(1, notice.encode())
     assert again == notice and again.error == "MemoryError: x"
     assert again.describe() == "rank 1 failed in its forward pass 3: MemoryError: x"
-    ending = failures.FailureNotice(0, failures.EXIT, -1, "ValueError: bad record")
+    ending = failure_notices.FailureNotice(0, failure_notices.EXIT, -1, "ValueError: bad record")
     assert ending.describe() == "rank 0 failed and is ending: ValueError: bad record"
-    long = failures.describe_error(RuntimeError("z" * 2000))
+    long = failure_notices.describe_error(RuntimeError("z" * 2000))
     assert len(long) < 600 and long.endswith(" ...")

@@ -183,30 +183,30 @@ def test_muon_config_refuses_what_it_cannot_do() -> None:
 
 
 def test_a_chain_is_one_optimizer_to_schedulers_and_state_dicts() -> None:
-    from zerodp.optim.parts import OptimizerChain, OptimizerPart, OptimizerSource
+    from zerodp.optim.torch_optimizers import GroupOptimizer, OptimizerChain, OptimizerSource
 
     def build() -> tuple[OptimizerChain, list[nn.Parameter]]:
         torch.manual_seed(0)
         params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
         muon = torch.optim.Muon([params[0]], lr=0.02)
         adamw = torch.optim.AdamW([{"params": [params[1]], "lr": 1e-2}])
-        parts = [
-            OptimizerPart(muon, UpdatePath.TENSORWISE, []),
-            OptimizerPart(adamw, UpdatePath.ELEMENTWISE, []),
+        members = [
+            GroupOptimizer(muon, UpdatePath.TENSORWISE, []),
+            GroupOptimizer(adamw, UpdatePath.ELEMENTWISE, []),
         ]
         # The engine's param groups: AdamW's is group 0, Muon's group 1.
         sources = [
             OptimizerSource(groups=[1], instance=muon),
             OptimizerSource(groups=[0], instance=adamw),
         ]
-        return OptimizerChain(parts, sources), params
+        return OptimizerChain(members, sources), params
 
     chain, params = build()
     assert chain.class_label == "Muon+AdamW"
-    assert chain.param_groups[0] is chain.parts[1].param_groups[0]
+    assert chain.param_groups[0] is chain.optimizers[1].param_groups[0]
     assert "betas" in chain.group_defaults(0) and "ns_steps" in chain.group_defaults(1)
     chain.param_groups[1]["lr"] = 0.05  # as a scheduler would
-    assert chain.parts[0].param_groups[0]["lr"] == 0.05
+    assert chain.optimizers[0].param_groups[0]["lr"] == 0.05
     for _ in range(2):
         for p in params:
             p.grad = torch.ones_like(p)
@@ -216,11 +216,11 @@ def test_a_chain_is_one_optimizer_to_schedulers_and_state_dicts() -> None:
     other.load_state_dict(saved)
     assert (
         other.param_groups[1]["lr"] == 0.05
-        and other.param_groups[1] is other.parts[0].param_groups[0]
+        and other.param_groups[1] is other.optimizers[0].param_groups[0]
     )
     for p, q in zip(params, other_params, strict=True):
         for key, value in chain.state[p].items():
             torch.testing.assert_close(other.state[q][key], value)
-    assert other.parts[0].state is other.state
+    assert other.optimizers[0].state is other.state
     with pytest.raises(NotImplementedError, match="initialize"):
         other.add_param_group({"params": []})

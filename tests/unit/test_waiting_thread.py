@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from zerodp.comm import waiting
+from zerodp.comm.faults import polled_waits
 
 
 class _DoneWork:
@@ -14,7 +14,7 @@ class _DoneWork:
 
 def test_the_helper_starts_with_a_small_stack_and_leaves_the_default_alone() -> None:
     before = threading.stack_size()
-    watched = waiting.watch(_DoneWork())
+    watched = polled_waits.watch(_DoneWork())
     assert watched.wait(lambda: None) is False
     assert threading.stack_size() == before  # threads started later get the usual stack
-    assert waiting.stop_waiting_thread(5.0)
+    assert polled_waits.stop_waiting_thread(5.0)

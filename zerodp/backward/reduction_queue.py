@@ -20,7 +20,7 @@ import torch
 from zerodp.backward.buffers import BufferPool
 from zerodp.backward.plan import FullReduce, ReductionPlan
 from zerodp.comm import Comm, Handle
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.group import GradSync, GroupState, KeptGradient
 from zerodp.parallel import REPLICA, SHARD, ParallelDims
 

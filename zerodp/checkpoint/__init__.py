@@ -3,20 +3,24 @@
 `save_load` saves and loads a `CheckpointSubject` (the engine's state, handed
 over as narrow pieces; see `subject`); `tensors` says which tensor goes under
 which key (layout-independent: one 1-D tensor per parameter); `sharded` wraps
-ShardedTensor; `plain` and `jsonable` are the JSON part; `paths` validates and
-commits atomically; `integrity` checks a checkpoint before loading;
-`consolidate` writes one full state dict. `deepspeed/` reads DeepSpeed's
-ZeRO checkpoints; `any_format.load_any_checkpoint` loads whichever format a
-directory holds and returns a `report.LoadReport` of what it restored.
+ShardedTensor; `json_state` and `jsonable` are the JSON part; `paths`
+validates and commits atomically; `integrity` checks a checkpoint before
+loading; `consolidate` writes one full state dict; `safetensors_stream`
+writes safetensors files one tensor at a time (full state dicts, the
+DeepSpeed export). `deepspeed/` reads DeepSpeed's ZeRO checkpoints;
+`any_format.load_any_checkpoint` loads whichever format a directory holds
+and returns a `report.LoadReport` of what it restored.
 """
 
 from zerodp.checkpoint.any_format import load_any_checkpoint
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.report import LoadReport
 from zerodp.checkpoint.save_load import load_checkpoint, save_checkpoint
 from zerodp.checkpoint.subject import CheckpointSubject
 
 __all__ = [
     "CheckpointSubject",
+    "LoadOptions",
     "LoadReport",
     "load_any_checkpoint",
     "load_checkpoint",

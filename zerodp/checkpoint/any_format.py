@@ -11,6 +11,7 @@ from typing import Any
 
 from zerodp.checkpoint.deepspeed import find_checkpoint, load_deepspeed_checkpoint
 from zerodp.checkpoint.integrity import CHECKPOINT_FAILURES
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.report import LoadReport
 from zerodp.checkpoint.save_load import load_checkpoint
 from zerodp.checkpoint.subject import CheckpointSubject
@@ -18,20 +19,14 @@ from zerodp.errors import CheckpointError
 
 
 def load_any_checkpoint(
-    subject: CheckpointSubject,
-    load_dir: Any,
-    tag: str | None = None,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-    verify_checksums: bool = True,
+    subject: CheckpointSubject, load_dir: Any, options: LoadOptions
 ) -> tuple[str | None, Any, LoadReport | None]:
     """(path, client_state, report); (None, None, None) when nothing is saved yet."""
     comm = subject.comm
     error: BaseException | None = None
     files = None
     try:
-        files = find_checkpoint(load_dir, tag)
+        files = find_checkpoint(load_dir, options.tag)
     except CHECKPOINT_FAILURES as caught:
         error = caught
     comm.raise_if_any_failed(error)
@@ -42,33 +37,19 @@ def load_any_checkpoint(
             "put it on storage every rank reads alike"
         )
     if files is not None:
-        return load_deepspeed_checkpoint(
-            subject,
-            files,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
-    path, client = load_checkpoint(
-        subject,
-        load_dir,
-        tag=tag,
-        load_optimizer_states=load_optimizer_states,
-        load_lr_scheduler_states=load_lr_scheduler_states,
-        load_module_only=load_module_only,
-        verify_checksums=verify_checksums,
-    )
+        return load_deepspeed_checkpoint(subject, files, options)
+    path, client = load_checkpoint(subject, load_dir, options)
     if path is None:
         return None, None, None
     report = LoadReport(f"zerodp checkpoint '{path}'", ["model weights (fp32 masters)"])
-    if load_module_only:
+    if options.load_module_only:
         report.not_restored.append("everything but the weights (load_module_only=True)")
         return path, client, report
-    if load_optimizer_states:
+    if options.load_optimizer_states:
         report.restored.append("optimizer state and settings, loss scaler")
     else:
         report.not_restored.append("optimizer state (load_optimizer_states=False)")
-    if not load_lr_scheduler_states:
+    if not options.load_lr_scheduler_states:
         report.not_restored.append("LR scheduler (load_lr_scheduler_states=False)")
     report.restored.append(
         "counters, LR scheduler, random generators, data-loader position, kept gradients, "

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zerodp.checkpoint import checksums, integrity, plain, schema
+from zerodp.checkpoint import checksums, integrity, json_state, schema
 from zerodp.checkpoint.destinations import check_kinds
 from zerodp.checkpoint.paths import check_load_source
 from zerodp.checkpoint.safe_metadata import METADATA_FILE, SafeReader
@@ -43,9 +43,9 @@ def _full_state_dict(
     path, _ = check_load_source(checkpoint_dir, tag)
     manifest = checksums.read_manifest(path) if verify_checksums else None
     if manifest is not None:
-        for name in (METADATA_FILE, plain.STATE_FILE):
+        for name in (METADATA_FILE, json_state.STATE_FILE):
             checksums.check_small_file(path, name, manifest)
-    shared = plain.read_shared_state(path)
+    shared = json_state.read_shared_state(path)
     schema.check_shared_state(shared)
     metadata = integrity.read_metadata(path)
     integrity.check_files(path, metadata)

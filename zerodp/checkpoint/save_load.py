@@ -9,7 +9,7 @@ param-group count, every JSON value, every rank's generator states) and
 changes nothing until every check has passed on every rank. Nothing is
 unpickled from a checkpoint (`zerodp.checkpoint.safe_metadata`). Tensors
 go through DCP (see `zerodp.checkpoint.tensors`); the rest is JSON
-(`zerodp.checkpoint.plain`). Saving is atomic (`zerodp.checkpoint.paths`)
+(`zerodp.checkpoint.json_state`). Saving is atomic (`zerodp.checkpoint.paths`)
 and every failure of it, DCP's own included, is one `CheckpointError` with
 the same message on every rank, after which the engine trains on.
 """
@@ -25,8 +25,17 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from zerodp.checkpoint import checksums, destinations, gradients, integrity, plain, schema, tensors
+from zerodp.checkpoint import (
+    checksums,
+    destinations,
+    gradients,
+    integrity,
+    json_state,
+    schema,
+    tensors,
+)
 from zerodp.checkpoint.jsonable import from_jsonable, to_jsonable
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.paths import (
     check_load_source,
     check_save_target,
@@ -64,7 +73,7 @@ def save_checkpoint(
             else f"global_step{subject.counters.state_dict()['global_steps']}"
         )
         client_json = to_jsonable({} if client_state is None else client_state, client_tensors)
-        shared = plain.shared_state(subject, client_json)
+        shared = json_state.shared_state(subject, client_json)
         shared["gradients"] = gradients.describe(subject)
         json.dumps(shared, allow_nan=True)
     except _FAILURES as caught:
@@ -124,11 +133,11 @@ def _write(
 
     def write_json_and_hash() -> None:
         rank_file = f"rank{comm.rank}.json"
-        plain.write_json(temp / rank_file, plain.rank_state())
+        json_state.write_json(temp / rank_file, json_state.rank_state())
         entries[rank_file] = checksums.small_file_entry(temp / rank_file)
         if comm.rank == 0:
-            plain.write_json(temp / plain.STATE_FILE, shared)
-            for name in (plain.STATE_FILE, METADATA_FILE):
+            json_state.write_json(temp / json_state.STATE_FILE, shared)
+            for name in (json_state.STATE_FILE, METADATA_FILE):
                 entries[name] = checksums.small_file_entry(temp / name)
         chunks = checksums.chunks_by_file(written[0])
         for name in checksums.my_share(chunks, comm.rank, comm.world_size):
@@ -191,21 +200,17 @@ def _root_cause(error: BaseException) -> BaseException:
 
 
 def load_checkpoint(
-    subject: CheckpointSubject,
-    load_dir: Any,
-    tag: str | None = None,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
-    verify_checksums: bool = True,
+    subject: CheckpointSubject, load_dir: Any, options: LoadOptions
 ) -> tuple[str | None, Any]:
     comm = subject.comm
+    tag = options.tag
     if tag is None and not _any_latest(subject, load_dir):
         # As in DeepSpeed: nothing saved yet is not an error; the caller starts afresh.
         if comm.rank == 0:
             logger.warning("no checkpoint to load in %s (no 'latest' file)", load_dir)
         return None, None
-    with_optimizer = load_optimizer_states and not load_module_only
+    with_optimizer = options.with_optimizer
+    verify_checksums = options.verify_checksums
     error: BaseException | None = None
     path = Path(".")
     shared: dict[str, Any] = {}
@@ -221,9 +226,9 @@ def load_checkpoint(
         if verify_checksums and manifest is None:
             _warn_unverified(comm, path)
         if manifest is not None:
-            for name in (METADATA_FILE, plain.STATE_FILE):
+            for name in (METADATA_FILE, json_state.STATE_FILE):
                 checksums.check_small_file(path, name, manifest)
-        shared = plain.read_shared_state(path)
+        shared = json_state.read_shared_state(path)
         schema.check_shared_state(shared)
         metadata = read_metadata(path)
         integrity.check_files(path, metadata)
@@ -233,7 +238,7 @@ def load_checkpoint(
             chunks = checksums.chunks_by_file(metadata)
             for name in checksums.my_share(chunks, comm.rank, comm.world_size):
                 checksums.check_data_file(path, name, chunks[name], manifest)
-        _check_json_pieces(subject, shared, with_optimizer, load_lr_scheduler_states)
+        _check_json_pieces(subject, shared, with_optimizer, options.load_lr_scheduler_states)
         rank_json = _read_rank_json(path, comm.rank, shared["world_size"], manifest)
         destinations.check_rng(saved, shared["world_size"])
         wanted = destinations.model_destinations(subject, saved)
@@ -242,7 +247,7 @@ def load_checkpoint(
             wanted.update(destinations.optimizer_destinations(subject, saved, planned))
         wanted.update(destinations.fresh_tensors(saved, f"rng.rank{comm.rank}."))
         wanted.update(destinations.fresh_tensors(saved, "client."))
-        if not load_module_only:
+        if not options.load_module_only:
             grads = gradients.plan_load(subject, shared, saved, with_optimizer)
             wanted.update(grads.destinations)
         destinations.check_kinds(wanted, saved, metadata)
@@ -261,20 +266,24 @@ def load_checkpoint(
     comm.raise_if_any_failed(error)
 
     subject.after_load()
-    if not load_module_only:
+    if not options.load_module_only:
         subject.counters.load_state_dict(shared["counters"])
         if with_optimizer:
             subject.optimizer_settings.load_state_dict(shared["optimizer"])
             subject.loss_scaler.load_state_dict(shared["loss_scaler"])
         scheduler_state = shared.get("lr_scheduler")
-        if load_lr_scheduler_states and subject.lr_scheduler is not None and scheduler_state:
+        if (
+            options.load_lr_scheduler_states
+            and subject.lr_scheduler is not None
+            and scheduler_state
+        ):
             subject.lr_scheduler.load_state_dict(scheduler_state)
         if subject.dataloader is not None and shared.get("dataloader") is not None:
             subject.dataloader.load_state_dict(shared["dataloader"])
         rng = {k: v for k, v in wanted.items() if k.startswith("rng.")}
         tensors.restore_rng(rng, comm.rank)
         if rank_json is not None:
-            plain.restore_rank_state(rank_json)
+            json_state.restore_rank_state(rank_json)
         grads.apply(subject)
     client = {k: v for k, v in wanted.items() if k.startswith("client.")}
     return str(path), from_jsonable(shared.get("client_state"), client)

@@ -77,8 +77,8 @@ class OptimizerSettings:
 
 
 def _class_label(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class, or its parts' classes ("Muon+AdamW") for several optimizers
-    stepped as one (`zerodp.optim.parts.OptimizerChain`)."""
+    """The optimizer's class, or its members' classes ("Muon+AdamW") for several optimizers
+    stepped as one (`zerodp.optim.torch_optimizers.OptimizerChain`)."""
     return str(getattr(optimizer, "class_label", type(optimizer).__name__))
 
 

@@ -1,13 +1,9 @@
-"""Typed collectives over one process group, counting bytes and calls per kind.
+"""Typed collectives over one process group: `Comm`, zerodp's one way to `torch.distributed`.
 
-Every collective zerodp issues goes through `Comm`, so the benchmarks and the
-tests that check ZeRO's communication volume read one set of counters.
-Bytes are those of the full (unsharded) tensor a collective operates on: an
-all-reduce of n elements, a reduce-scatter whose input has n elements and an
-all-gather whose output has n elements each count n * element size; an
-all-to-all counts the bytes this rank sends to the others (its own split,
-which never leaves the rank, is not counted), so that the sum over ranks is
-the traffic.
+Each collective counts its bytes (`zerodp.comm.stats`), is recorded so that a failure
+names it, and is waited for through a `Handle` that hears from the other ranks while it
+lasts (`zerodp.comm.handles`); what a failure means, and what the group does then, is
+failure handling's (`zerodp.comm.faults`), which this module calls and never the reverse.
 
 A `Comm` over a subgroup (a shard, replica or hpZ group, see
 `zerodp.comm.subgroups`) is made with `parent=` the engine's `Comm`: it counts
@@ -17,155 +13,32 @@ place and each collective's group can still be told apart.
 
 from __future__ import annotations
 
-import enum
 import pickle
 import weakref
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zerodp.comm import failures, objects
-from zerodp.comm.history import (
-    CollectiveHistory,
-    CollectiveRecord,
-    passes_through,
-    recorded,
-    tensor_nbytes,
+from zerodp.comm import object_collectives
+from zerodp.comm.faults.collective_history import CollectiveHistory, recorded
+from zerodp.comm.faults.failure_notices import (
+    FailureBoard,
+    FailureNotice,
+    one_per_rank,
+    peer_failed_error,
+    read_exits,
 )
-from zerodp.comm.teardown import abandon, abort_group, register
-from zerodp.comm.waiting import OnStall, WatchedWork, wait_timed, watch
-from zerodp.comm.whereabouts import uneven_inputs_error, whereabouts
+from zerodp.comm.faults.polled_waits import OnStall
+from zerodp.comm.faults.teardown import abandon, abort_group, register
+from zerodp.comm.faults.uneven_inputs import uneven_inputs_error, whereabouts
+from zerodp.comm.handles import DONE, Handle
+from zerodp.comm.stats import WORLD, CollectiveKind, CommStats, tensor_nbytes
 from zerodp.errors import AGREED_TYPES, AgreedError, CollectiveError
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CollectiveKind(enum.Enum):
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    BROADCAST = "broadcast"
-    ALL_TO_ALL = "all_to_all"
-
-
-WORLD = "world"  # the label of a `Comm` over the default group
-
-
-@dataclass
-class CommStats:
-    """Bytes and calls per collective kind since the last `reset()`, and bytes per group.
-
-    `by_group` counts the bytes of each (group label, kind): "world", or the label of
-    the subgroup a collective ran in ("shard", "replica", "secondary").
-    """
-
-    bytes: Counter[CollectiveKind] = field(default_factory=Counter)
-    calls: Counter[CollectiveKind] = field(default_factory=Counter)
-    by_group: Counter[tuple[str, CollectiveKind]] = field(default_factory=Counter)
-
-    def record(self, kind: CollectiveKind, nbytes: int, label: str = WORLD) -> None:
-        self.bytes[kind] += nbytes
-        self.calls[kind] += 1
-        self.by_group[(label, kind)] += nbytes
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-        self.by_group.clear()
-
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def bytes_of_group(self, label: str) -> int:
-        """Bytes of the collectives that ran in the groups labelled `label`."""
-        return sum(n for (group, _), n in self.by_group.items() if group == label)
-
-    def group_snapshot(self) -> dict[str, dict[str, int]]:
-        """{label: {kind: bytes}} for every group that carried any."""
-        out: dict[str, dict[str, int]] = {}
-        for (label, kind), nbytes in sorted(self.by_group.items(), key=lambda i: i[0][0]):
-            if nbytes:
-                out.setdefault(label, {})[kind.value] = nbytes
-        return out
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        return {
-            kind.value: {"bytes": self.bytes[kind], "calls": self.calls[kind]}
-            for kind in CollectiveKind
-        }
-
-
-class Handle:
-    """An in-flight collective; `wait()` blocks until its result may be read.
-
-    With `on_stall`, a wait that lasts calls it every second (it may raise; see
-    `zerodp.comm.waiting`), and `on_recover` once a wait that stalled has completed.
-    `timed`: the work honours a timed wait (gloo's reduce-scatter does not).
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_history",
-        "_on_recover",
-        "_on_stall",
-        "_record",
-        "_watched",
-        "_work",
-    )
-
-    def __init__(
-        self,
-        work: Any = None,
-        on_stall: OnStall | None = None,
-        timed: bool = True,
-        on_recover: Callable[[], None] | None = None,
-    ) -> None:
-        self._work = work
-        self._on_stall = on_stall
-        self._on_recover = on_recover
-        # An untimed work that is watched is waited for by the helper thread from now on.
-        self._watched: WatchedWork | None = (
-            watch(work) if work is not None and on_stall is not None and not timed else None
-        )
-        self._record: CollectiveRecord | None = None
-        self._history: CollectiveHistory | None = None
-
-    def track(self, record: CollectiveRecord, history: CollectiveHistory) -> None:
-        """Name the collective in a failure of `wait()` (see `zerodp.comm.history`)."""
-        self._record, self._history = record, history
-
-    def wait(self) -> None:
-        if self._work is not None:
-            stalled = False
-            try:
-                if self._on_stall is None:
-                    self._work.wait()
-                elif self._watched is not None:
-                    stalled = self._watched.wait(self._on_stall)
-                else:
-                    stalled = wait_timed(self._work, self._on_stall)
-            except RuntimeError as error:
-                if self._history is None or self._record is None or passes_through(error):
-                    raise  # zerodp's own (a divergence found while waiting), out of memory
-                raise self._history.failed(self._record, error) from error
-            self._work = None
-            if self._history is not None and self._record is not None:
-                self._history.finish(self._record)
-            if stalled and self._on_recover is not None:
-                self._on_recover()
-
-    @property
-    def done(self) -> bool:
-        return self._work is None
-
-
-_DONE = Handle()
 
 
 def _is_gloo(group: Any) -> bool:
@@ -181,7 +54,7 @@ class Comm:
     history (one numbering, world ranks in messages; a failure in any of the groups aborts
     all of them and refuses every later collective), and failures read the parent's
     failure notices. `stall_checks`: on gloo, a wait that lasts hears what other ranks
-    posted (see [Note: uneven inputs] in `zerodp.comm.whereabouts`).
+    posted (see [Note: uneven inputs] in `zerodp.comm.faults.uneven_inputs`).
     """
 
     def __init__(
@@ -199,12 +72,12 @@ class Comm:
         self._parent = parent
         self.stats: CommStats = parent.stats if parent is not None else CommStats()
         # Called while a collective waits long (gloo only: an NCCL wait returns at once);
-        # the collective order check (zerodp.comm.order) adds its own checks. A subgroup
-        # uses its parent's unless given its own.
+        # the collective order check (zerodp.comm.faults.collective_order) adds its own
+        # checks. A subgroup uses its parent's unless given its own.
         watch = parent is None and stall_checks and self.world_size > 1 and _is_gloo(group)
         self._on_stall: OnStall | None = self._check_stall if watch else None
         # Pass notices of the order check beside the process's exit notices.
-        self.failure_boards: list[failures.FailureBoard] = (
+        self.failure_boards: list[FailureBoard] = (
             parent.failure_boards if parent is not None else []
         )
         # For errors that name the collective; the first one aborts the group(s).
@@ -219,11 +92,11 @@ class Comm:
         # Collectives issued with async_op and not yet waited for (prefetched gathers,
         # the reducer's reductions): what the teardown at exit must not leave pending.
         self._in_flight: weakref.WeakSet[Handle] = weakref.WeakSet()
-        register(self)  # see [Note: ending the process] in zerodp.comm.teardown
+        register(self)  # see [Note: ending the process] in zerodp.comm.faults.teardown
 
     @property
     def on_stall(self) -> OnStall | None:
-        """Called while a collective waits long (set by zerodp.comm.order; CPU/gloo only)."""
+        """Called while a collective waits long (set by the collective order check; gloo only)."""
         if self._on_stall is None and self._parent is not None:
             return self._parent.on_stall
         return self._on_stall
@@ -243,8 +116,8 @@ class Comm:
 
         Its other in-flight collectives then fail at once instead of waiting out their
         timeouts, and none is left pending when the process exits (see [Note: ending the
-        process] in zerodp.comm.teardown). A peer that failed leaves every group of this
-        `Comm` suspect: its subgroups are aborted too.
+        process] in zerodp.comm.faults.teardown). A peer that failed leaves every group of
+        this `Comm` suspect: its subgroups are aborted too.
         """
         abort_group(self.group)
         self._abort_children()
@@ -253,10 +126,10 @@ class Comm:
         for child in self._children:
             abort_group(child.group)
 
-    def failure_notices(self) -> list[failures.FailureNotice]:
+    def failure_notices(self) -> list[FailureNotice]:
         """What ranks that failed posted ([Note: failure notices]); read only on a failure."""
         notices = [notice for board in self.failure_boards for notice in board.read()]
-        return failures.one_per_rank(notices + failures.read_exits())
+        return one_per_rank(notices + read_exits())
 
     def explain_failure(self, waiting_in: str) -> CollectiveError | None:
         """Why the collective `waiting_in` (as `CollectiveHistory.waiting_in` names it)
@@ -264,7 +137,7 @@ class Comm:
         somewhere else ([Note: uneven inputs]). None: nobody said."""
         notices = self.failure_notices()
         if notices:
-            return failures.peer_failed_error(notices, f"collective {waiting_in}")
+            return peer_failed_error(notices, f"collective {waiting_in}")
         places = whereabouts().peers_elsewhere(waiting_in)
         if places:
             return uneven_inputs_error(places)
@@ -297,7 +170,7 @@ class Comm:
             return self._in_flight_handle(work, timed)
         if work is not None:
             Handle(work, self.on_stall, timed=timed, on_recover=self._recovered).wait()
-        return _DONE
+        return DONE
 
     def _in_flight_handle(self, work: Any, timed: bool = True) -> Handle:
         handle = Handle(work, self.on_stall, timed=timed, on_recover=self._recovered)
@@ -309,7 +182,7 @@ class Comm:
     @recorded("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle:
         if self.world_size == 1:
-            return _DONE
+            return DONE
         self.stats.record(CollectiveKind.ALL_REDUCE, tensor_nbytes(tensor), self.label)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         polled = self._polled(async_op)
@@ -332,7 +205,7 @@ class Comm:
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _DONE
+            return DONE
         self.stats.record(CollectiveKind.REDUCE_SCATTER, tensor_nbytes(input), self.label)
         work = _reduce_scatter_single(
             output, input, group=self.group, async_op=self._polled(async_op)
@@ -352,7 +225,7 @@ class Comm:
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            return _DONE
+            return DONE
         self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output), self.label)
         work = _all_gather_single(output, input, group=self.group, async_op=self._polled(async_op))
         return self._finish(work, async_op)
@@ -392,7 +265,7 @@ class Comm:
     @recorded("broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Handle:
         if self.world_size == 1:
-            return _DONE
+            return DONE
         self.stats.record(CollectiveKind.BROADCAST, tensor_nbytes(tensor), self.label)
         global_src = self.global_rank(src)
         work = dist.broadcast(
@@ -428,7 +301,7 @@ class Comm:
         if self.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
         if self.on_stall is not None:  # gloo: polled, so that a stall is heard
-            return objects.gather_objects(obj, self.group, self.world_size, self._finish)
+            return object_collectives.gather_objects(obj, self.group, self.world_size, self._finish)
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -439,7 +312,7 @@ class Comm:
             return obj
         global_src = self.global_rank(src)
         if self.on_stall is not None:  # gloo: polled, so that a stall is heard
-            return objects.broadcast_object(obj, global_src, self.group, self._finish)
+            return object_collectives.broadcast_object(obj, global_src, self.group, self._finish)
         box = [obj]
         dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]

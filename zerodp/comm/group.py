@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from zerodp.comm import teardown
+from zerodp.comm.faults import teardown
 
 
 class _GroupState:

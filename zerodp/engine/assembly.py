@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from zerodp.accessors import FullStateAccessor
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.hooks import RootHooks
 from zerodp.backward.lifecycle import BackwardLifecycle
@@ -38,10 +37,11 @@ from zerodp.comm import Comm
 from zerodp.comm.group import comms_timeout
 from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.config import ZeroDPConfig
-from zerodp.data import ZeroDataLoader
 from zerodp.engine.backward_wiring import ParamRuntime, build_backward
+from zerodp.engine.data_loader import ZeroDataLoader
 from zerodp.engine.model_groups import build_groups
 from zerodp.engine.optimizers import OptimizerBuild, build_optimizer
+from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group import GroupIndex
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
 from zerodp.monitor.sinks import Monitor
@@ -49,10 +49,10 @@ from zerodp.monitor.training import TrainingReporter
 from zerodp.offload import OffloadPolicy, OffloadStorage
 from zerodp.optim.factory import optimizer_sources, steps_fused
 from zerodp.optim.param_groups import resolve_param_groups
-from zerodp.optim.parts import OptimizerSource
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.optim.tensorwise import TensorwiseStep
+from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy

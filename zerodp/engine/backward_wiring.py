@@ -22,8 +22,8 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm.subgroups import GroupComms
-from zerodp.compile import apply_compile, prepare_stage3
 from zerodp.config import ZeroDPConfig
+from zerodp.engine.compile import apply_compile, prepare_stage3
 from zerodp.group import GroupIndex
 from zerodp.optim.strategy import StageStrategy
 from zerodp.params.runtime import ResidentParams, Stage3Runtime, collective_order_for

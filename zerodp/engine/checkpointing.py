@@ -8,13 +8,19 @@ from typing import Any
 from torch import nn
 
 from zerodp.backward.step_gate import StepGate
-from zerodp.checkpoint import CheckpointSubject, LoadReport, load_any_checkpoint, save_checkpoint
+from zerodp.checkpoint import (
+    CheckpointSubject,
+    LoadOptions,
+    LoadReport,
+    load_any_checkpoint,
+    save_checkpoint,
+)
 from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
+from zerodp.comm.faults.uneven_inputs import Activity, whereabouts
 from zerodp.comm.subgroups import GroupComms
-from zerodp.comm.whereabouts import Activity, whereabouts
 from zerodp.config import ZeroDPConfig
-from zerodp.data import ZeroDataLoader
+from zerodp.engine.data_loader import ZeroDataLoader
 from zerodp.group import GroupIndex
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
@@ -76,14 +82,15 @@ class CheckpointMethods:
         What was restored and what not is logged and kept in `last_load_report`.
         """
         with whereabouts().doing(Activity.LOADING):  # see [Note: uneven inputs]
-            path, client, self.last_load_report = load_any_checkpoint(
-                self._checkpoint_subject(),
-                load_dir,
+            options = LoadOptions(
                 tag=tag,
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only,
                 verify_checksums=verify_checksums,
+            )
+            path, client, self.last_load_report = load_any_checkpoint(
+                self._checkpoint_subject(), load_dir, options
             )
         self.gate.on_load()
         return path, client
@@ -114,7 +121,7 @@ class CheckpointMethods:
             gradients_held=self.gate.gradients_held,
             gradients_loaded=self.gate.on_gradients_loaded,
             before_save=self.optimizer.adopt_replaced_params,
-            whole_tensors=self.optimizer.parts.tensorwise,
+            whole_tensors=self.optimizer.torch_optimizers.tensorwise,
             num_replicas=self.comms.dims.num_replicas,
             replica_index=self.comms.dims.replica_index,
         )

@@ -19,12 +19,12 @@ from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import NonScalarLossError, UsageError
+from zerodp.full_state.state_dicts import full_state_dict, load_state_dict, save_state_dict
 from zerodp.group import GroupIndex
 from zerodp.monitor.memory import ModelStateTensors
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
-from zerodp.state_dicts import full_state_dict, load_state_dict, save_state_dict
 
 logger = logging.getLogger("zerodp")
 
@@ -224,8 +224,7 @@ def model_state_tensors(
     on_host = {id(s.optim.param) for s in states if s.optim is not None and s.optim.offloaded}
     device_state: list[torch.Tensor] = []
     host_state: list[torch.Tensor] = []
-    parts = optimizer.parts
-    whole = parts.tensorwise
+    whole = optimizer.torch_optimizers.tensorwise
     if whole is not None:
         by_order = {s.order: s for s in states}
         for task, stepped in whole:
@@ -235,7 +234,7 @@ def model_state_tensors(
                 on_host.add(id(stepped))
             if not task.is_local(whole.rank):
                 (host_state if host else device_state).append(stepped.data)
-    for param, slots in parts.inner.state.items():
+    for param, slots in optimizer.inner.state.items():
         tensors = [v for v in slots.values() if isinstance(v, torch.Tensor)]
         (host_state if id(param) in on_host else device_state).extend(tensors)
     copies: list[torch.Tensor] = []

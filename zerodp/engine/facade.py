@@ -17,14 +17,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp import managed
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
 from zerodp.checkpoint import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
+from zerodp.comm.faults.uneven_inputs import whereabouts
 from zerodp.comm.group import local_rank
-from zerodp.comm.whereabouts import whereabouts
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import Removable, assemble
@@ -38,6 +37,7 @@ from zerodp.engine.deepspeed_methods import (
 from zerodp.engine.join import JoinMethods
 from zerodp.engine.startup_checks import check_ranks_agree
 from zerodp.errors import LifecycleError, UsageError
+from zerodp.full_state import param_managers
 from zerodp.group import ParamStatus
 from zerodp.monitor.events import NON_FINITE_STEPS
 from zerodp.monitor.memory import ModelStateBytes, model_state_bytes, with_host_tensors
@@ -70,7 +70,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         ensure_process_group(config.comms_timeout_s)
-        managed.refuse_managed(module)
+        param_managers.refuse_managed(module)
         comm = Comm(stall_checks=config.comms_stall_checks)
         check_ranks_agree(comm, config, module)  # one small collective, before any other
         self.config = config
@@ -122,7 +122,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         whereabouts().track(lambda: (state.global_steps, state.micro_steps))
         guards.mark_own_optimizer(self.optimizer)
         guards.mark_own_optimizer(self.optimizer.inner)
-        managed.register(self, self.groups.params)
+        param_managers.register(self, self.groups.params)
 
     # -- lifecycle callbacks -------------------------------------------------------------
 
@@ -413,7 +413,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.params.teardown()
         for param in self.groups.params:
             param.grad = None
-        managed.unregister(self.groups.params)
+        param_managers.unregister(self.groups.params)
         self.reporter.close()
         if self._offload_storage is not None:
             self._offload_storage.close()  # NVMe files are private to the run: removed

@@ -35,9 +35,9 @@ from torch.nn.modules.module import (
 )
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from zerodp.comm.wrappers import fully_sharded_by_fsdp2, wrapper_calling
+from zerodp.comm.data_parallel_wrappers import fully_sharded_by_fsdp2, wrapper_calling
 from zerodp.errors import UsageError
-from zerodp.managed import manager_of
+from zerodp.full_state.param_managers import manager_of
 
 _INSTEAD = (
     "zerodp does the data parallelism itself: train through the engine (engine(batch), "

@@ -19,11 +19,11 @@ from zerodp.offload import OffloadPolicy, OffloadStorage, Placement
 from zerodp.optim.grad_norm import NormReduction
 from zerodp.optim.offloaded_step import OffloadedSteps
 from zerodp.optim.param_groups import ParamGroupSpec
-from zerodp.optim.parts import OptimizerParts, OptimizerSource, build_parts
 from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.optim.tensorwise import GroupLayout, OwnerPlacement, TensorwiseStep, build_plan
+from zerodp.optim.torch_optimizers import OptimizerSource, TorchOptimizers, build_torch_optimizers
 from zerodp.posttrain.mode import InferenceOptimizer, ModeDecision, refusal_message
 from zerodp.precision.loss_scaler import LossScaler
 from zerodp.train_state import TrainState
@@ -60,9 +60,12 @@ def build_optimizer(
     def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
         return tensorwise_step(states, config, comms.shard, device, step_shapes)
 
-    parts = optimizer_parts(decision, sources, specs, groups, offload, make_tensorwise)
+    torch_optimizers = torch_optimizers_for(
+        decision, sources, specs, groups, offload, make_tensorwise
+    )
+    inner = torch_optimizers.inner
     optimizer = ZeroOptimizer(
-        parts,
+        torch_optimizers,
         reducer=backward.reducer,
         norm=NormReduction.of(comms, sharded=strategy.shards_optimizer_state),
         states=groups.trainable,
@@ -79,38 +82,36 @@ def build_optimizer(
         ),
         device=device,
     )
-    scheduler = (
-        scheduler_for(lr_scheduler, config, parts.inner, optimizer) if decision.trains else None
-    )
-    return OptimizerBuild(optimizer, parts.inner, parts.tensorwise, scheduler)
+    scheduler = scheduler_for(lr_scheduler, config, inner, optimizer) if decision.trains else None
+    return OptimizerBuild(optimizer, inner, torch_optimizers.tensorwise, scheduler)
 
 
-def optimizer_parts(
+def torch_optimizers_for(
     decision: ModeDecision,
     sources: list[OptimizerSource],
     specs: list[ParamGroupSpec],
     groups: GroupIndex,
     offload: OffloadPolicy,
     make_tensorwise: Callable[[list[GroupState]], TensorwiseStep],
-) -> OptimizerParts:
+) -> TorchOptimizers:
     """The torch optimizers on the trainable groups; an inference engine's refuses to step."""
     if not decision.trains:
-        return OptimizerParts(
-            parts=[],
+        return TorchOptimizers(
+            members=[],
             inner=InferenceOptimizer(refusal_message(decision, "optimizer.step()")),
             tensorwise=None,
         )
-    parts = build_parts(
+    optimizers = build_torch_optimizers(
         sources, [spec.options for spec in specs], groups.trainable, make_tensorwise
     )
-    if parts.tensorwise is not None and offload.optimizer is Placement.FILE:
+    if optimizers.tensorwise is not None and offload.optimizer is Placement.FILE:
         raise ConfigError(
             "an optimizer that reads whole tensors (Muon, Adafactor, any optimizer zerodp does "
             "not know as elementwise) keeps its state with the rank that steps each tensor, "
             "which NVMe optimizer offload does not support; use "
             '"offload_optimizer": {"device": "cpu"} or none'
         )
-    return parts
+    return optimizers
 
 
 def tensorwise_step(

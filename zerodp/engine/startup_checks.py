@@ -21,6 +21,7 @@ from torch import nn
 from zerodp.comm import Comm
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import UsageError
+from zerodp.version import __version__
 
 _SHOWN = 5
 
@@ -47,8 +48,6 @@ def check_ranks_agree(comm: Comm, config: ZeroDPConfig, module: nn.Module) -> No
             f"{comm.world_size} ranks; the config's batch sizes were derived for the wrong "
             "size: launch with torchrun (or zerodp run) and leave WORLD_SIZE to it"
         )
-    from zerodp import __version__
-
     details: dict[str, dict[str, str]] = {
         "versions": {"zerodp": __version__, "torch": torch.__version__},
         "world size": {"world_size": str(comm.world_size)},

@@ -91,7 +91,8 @@ class KeptGradient:
         self._data = torch.zeros(numel, dtype=dtype, device=flat.device)
         self._nbytes = self._data.untyped_storage().nbytes()
         self._released = False
-        # False while `param.grad` shows views of the storage (stage 0's exposure).
+        # False while `param.grad` shows views of the storage (stage 0's
+        # `zerodp.backward.param_grad_views`).
         self.release_when_zero = release_when_zero
         self.sync = sync
         self.task = TaskContribution(len(flat.params))

@@ -33,7 +33,7 @@ from torch import nn
 
 import zerodp
 from zerodp.errors import ConfigError
-from zerodp.gathered import GatheredParameters
+from zerodp.zero import GatheredParameters
 
 # Config blocks that only a model with an optimizer uses; a frozen engine is built without them.
 _TRAINING_ONLY = ("optimizer", "scheduler", "gradient_clipping")

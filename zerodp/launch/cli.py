@@ -12,8 +12,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from zerodp import __version__
 from zerodp.launch import runner
+from zerodp.version import __version__
 
 _DESCRIPTION = "zerodp: ZeRO data-parallel training for PyTorch."
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from zerodp.version import __version__
+
 ENV_VARS: tuple[str, ...] = (
     "WORLD_SIZE",
     "RANK",
@@ -48,8 +50,6 @@ _GIB = 1024**3
 
 def collect_env() -> dict[str, Any]:
     """Gather the report as plain JSON-serialisable data (see `format_report` for text)."""
-    from zerodp import __version__
-
     return {
         "zerodp": __version__,
         "python": sys.version.split()[0],

@@ -10,7 +10,7 @@
   optimizers, see `zerodp.optim.muon_config`).
 
 Which tensors each optimizer is handed (flat shards or whole tensors) is
-decided by its class (`zerodp.optim.tensorwise.selection`), in `parts`.
+decided by its class (`zerodp.optim.tensorwise.selection`), in `torch_optimizers`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from zerodp.config.optimizer import UNCORRECTED_ADAM
 from zerodp.errors import ConfigError
 from zerodp.optim.muon_config import split_for_muon
 from zerodp.optim.param_groups import ParamGroupSpec, is_optimizer_list
-from zerodp.optim.parts import OptimizerSource
+from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.optim.uncorrected_adam import UncorrectedAdam
 
 _FUSED = ("Adam", "AdamW")  # fused kernels on the CPU and on accelerators

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from zerodp.optim.param_groups import ParamGroupSpec
-from zerodp.optim.parts import OptimizerSource
 from zerodp.optim.tensorwise.plan import matrix_view
+from zerodp.optim.torch_optimizers import OptimizerSource
 
 KEYWORDS = ("embed", "lm_head")  # names DeepSpeed keeps on Adam whatever their shape
 MUON_KEYS = ("lr", "momentum", "weight_decay")

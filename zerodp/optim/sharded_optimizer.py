@@ -30,7 +30,7 @@ from zerodp.optim.grad_norm import (
     scale_grads,
 )
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
-from zerodp.optim.parts import OptimizerParts
+from zerodp.optim.torch_optimizers import TorchOptimizers
 from zerodp.precision.loss_scaler import LossScaler
 from zerodp.torch_internals import init_optimizer_hook_dicts, mark_optimizer_stepped
 from zerodp.train_state import TrainState
@@ -49,12 +49,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     `Optimizer.__init__` is not called: this object has no parameters of its
     own, only the inner optimizer's groups (the one torch optimizer, or an
-    `OptimizerChain` over several), which hold what the parts step.
+    `OptimizerChain` over several), which hold what its members step.
     """
 
     def __init__(
         self,
-        parts: OptimizerParts,
+        torch_optimizers: TorchOptimizers,
         *,
         reducer: GradientReducer,
         norm: NormReduction,
@@ -68,9 +68,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload: OffloadedSteps | None = None,
         device: torch.device | None = None,
     ) -> None:
-        self.parts = parts
-        self.inner = parts.inner
-        self.defaults = parts.inner.defaults
+        self.torch_optimizers = torch_optimizers
+        self.inner = torch_optimizers.inner
+        self.defaults = torch_optimizers.inner.defaults
         self._reducer = reducer
         self._norm = norm
         self._states = states
@@ -184,13 +184,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._drop_grads()
             return
         clip_by_global_norm(grads, norm, self.gradient_clipping)
-        for part in self.parts.elementwise:
+        for member in self.torch_optimizers.elementwise:
             if self._offload is not None:
-                self._offload.step(part.optimizer, part.states)
+                self._offload.step(member.optimizer, member.states)
             else:
-                part.optimizer.step()
-        if self.parts.tensorwise is not None:
-            self.parts.tensorwise.step(self.parts.tensorwise_optimizers)
+                member.optimizer.step()
+        whole = self.torch_optimizers.tensorwise
+        if whole is not None:
+            whole.step(self.torch_optimizers.tensorwise_optimizers)
         mark_optimizer_stepped(self)
         self._drop_grads()
         self.sync_params_from_owned()

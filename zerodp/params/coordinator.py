@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from zerodp.backward import autograd_api
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.errors import ParamStateError
 from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params.forward_scopes import ForwardScopes

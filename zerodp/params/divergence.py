@@ -1,16 +1,16 @@
 """What a stage 3 collective does, in words, and what to do when ranks issue different ones.
 
-The collective order check (`zerodp.comm.order`) knows collectives as (operation, group
-order); these turn them into the names a user knows: each rank's message says which
-module's parameters it gathers or reduces, and the advice names the module that holds the
-diverging ones, to be marked as a leaf (see [Note: leaf modules]).
+The collective order check (`zerodp.comm.faults.collective_order`) knows collectives as
+(operation, group order); these turn them into the names a user knows: each rank's message
+says which module's parameters it gathers or reduces, and the advice names the module that
+holds the diverging ones, to be marked as a leaf (see [Note: leaf modules]).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from zerodp.comm.order import Entry
+from zerodp.comm.faults.collective_order import Entry
 from zerodp.group import GroupIndex, GroupState
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)

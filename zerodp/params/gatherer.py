@@ -14,7 +14,7 @@ Holds (`GatheredParameters`, generation, weight streaming) come here directly.
 
 from __future__ import annotations
 
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.group import GatherState, GroupState, ParamStatus
 from zerodp.params.prefetch import ExecutionTrace
 from zerodp.torch_internals import storage_key

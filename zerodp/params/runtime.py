@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
-from zerodp.comm.order import CollectiveOrder
+from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.comm.subgroups import GroupComms
 from zerodp.group import GroupIndex, GroupState, ParamStatus
 from zerodp.params import zero_parameter

@@ -5,7 +5,7 @@ before; the folder's format is recognised (`files`), its pickles are read
 without running code from them (`unpickle`), DeepSpeed's dicts become typed
 records (`records`), flat partitions map to named element ranges
 (`layout`), and each rank reads only what it owns (`sources`) into the
-places `targets` planned; counters, scheduler, loss scaler and optimizer
+places `destinations` planned; counters, scheduler, loss scaler and optimizer
 settings are translated in `training_state`, and `load` runs it all with
 zerodp's check-then-change discipline. `convert` writes a zerodp checkpoint
 or sharded safetensors from one. What is read from which DeepSpeed file is

@@ -25,8 +25,13 @@ import torch
 from zerodp.checkpoint.deepspeed.files import DeepSpeedFiles, find_checkpoint
 from zerodp.checkpoint.deepspeed.records import ModelStates, read_model_states
 from zerodp.checkpoint.deepspeed.sources import Wanted, frozen_value, module_value, open_source
+from zerodp.checkpoint.safetensors_stream import (
+    SafetensorsStreamWriter,
+    TensorEntry,
+    plan_files,
+    write_index,
+)
 from zerodp.errors import CheckpointError
-from zerodp.safetensors_stream import SafetensorsStreamWriter, TensorEntry, plan_files, write_index
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # Hugging Face's default for save_pretrained
 
@@ -118,7 +123,7 @@ def export_safetensors(
         with SafetensorsStreamWriter(file, file_entries, {"format": "pt"}) as writer:
             for entry in file_entries:
                 if entry.name in wanted:
-                    value = wanted.pop(entry.name).targets["fp32"]
+                    value = wanted.pop(entry.name).destinations["fp32"]
                 elif entry.name in run.buffers:
                     value = run.buffers[entry.name]
                 else:

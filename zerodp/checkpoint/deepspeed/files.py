@@ -25,7 +25,7 @@ from zerodp.errors import CheckpointError
 
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
-ZERODP_STATE_FILE = "zerodp_state.json"  # a zerodp checkpoint (see zerodp.checkpoint.plain)
+ZERODP_STATE_FILE = "zerodp_state.json"  # a zerodp checkpoint (see zerodp.checkpoint.json_state)
 MODEL_STATES = "mp_rank_00_model_states.pt"
 UNIVERSAL_FOLDER = "zero"
 UNIVERSAL_OPTIMIZER = "optimizer_state.pt"

@@ -16,31 +16,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.checkpoint.deepspeed import targets, training_state
+from zerodp.checkpoint.deepspeed import destinations, training_state
 from zerodp.checkpoint.deepspeed.files import DeepSpeedFiles, DeepSpeedFormat
 from zerodp.checkpoint.deepspeed.records import ModelStates, read_model_states
 from zerodp.checkpoint.deepspeed.sources import Source, frozen_value, open_source
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.report import LoadReport
 from zerodp.checkpoint.subject import CheckpointSubject
 from zerodp.errors import CheckpointError, ZeroDPError
 
 
 def load_deepspeed_checkpoint(
-    subject: CheckpointSubject,
-    files: DeepSpeedFiles,
-    *,
-    load_optimizer_states: bool = True,
-    load_lr_scheduler_states: bool = True,
-    load_module_only: bool = False,
+    subject: CheckpointSubject, files: DeepSpeedFiles, options: LoadOptions
 ) -> tuple[str, dict[str, Any], LoadReport]:
-    """Returns (checkpoint folder, the run's client_state, what was and was not restored)."""
+    """Returns (checkpoint folder, the run's client_state, what was and was not restored).
+
+    `files` were found with `options.tag`; DeepSpeed's format has no checksums, so
+    `options.verify_checksums` has nothing to check here.
+    """
     comm = subject.comm
-    with_optimizer = load_optimizer_states and not load_module_only
     error: BaseException | None = None
     plan: _Plan | None = None
     try:
         subject.check_idle()
-        plan = _plan(subject, files, with_optimizer, load_lr_scheduler_states, load_module_only)
+        plan = _plan(subject, files, options)
     except Exception as caught:
         error = caught if isinstance(caught, ZeroDPError) else _unexpected(caught, files)
     comm.raise_if_any_failed(error)  # nothing has been changed yet, on any rank
@@ -69,7 +68,7 @@ class _Plan:
 
     model: ModelStates
     source: Source
-    params: targets.ParamTargets
+    params: destinations.ParamDestinations
     state: training_state.TrainingState
     report: LoadReport
     models_of_ranks: list[ModelStates]
@@ -77,10 +76,10 @@ class _Plan:
     def read_tensors(self, subject: CheckpointSubject) -> None:
         self.params.attach(subject.optimizer)
         self.source.fill(self.params.wanted)
-        targets.write_steps(subject, self.params)
+        destinations.write_steps(subject, self.params)
         for whole in self.params.whole:
             if whole.wanted is not None:
-                whole.write(whole.wanted.targets["fp32"].reshape(whole.shape))
+                whole.write(whole.wanted.destinations["fp32"].reshape(whole.shape))
             else:
                 whole.write(frozen_value(self.models_of_ranks, whole.name, whole.shape))
         buffers = dict(subject.module.named_buffers())
@@ -88,18 +87,13 @@ class _Plan:
             buffers[name].copy_(self.model.module[name])
 
 
-def _plan(
-    subject: CheckpointSubject,
-    files: DeepSpeedFiles,
-    with_optimizer: bool,
-    with_scheduler: bool,
-    module_only: bool,
-) -> _Plan:
+def _plan(subject: CheckpointSubject, files: DeepSpeedFiles, options: LoadOptions) -> _Plan:
+    with_optimizer = options.with_optimizer
     model = read_model_states(files.model_files[0])
     source = open_source(files, model)
     if with_optimizer:
-        targets.check_optimizer_kind(subject.optimizer)
-    params = targets.plan_targets(subject, model, with_optimizer)
+        destinations.check_optimizer_kind(subject.optimizer)
+    params = destinations.plan_destinations(subject, model, with_optimizer)
     models_of_ranks = [model]
     if any(w.wanted is None for w in params.whole) and len(files.model_files) > 1:
         models_of_ranks += [read_model_states(path) for path in files.model_files[1:]]
@@ -109,15 +103,13 @@ def _plan(
     source.check(params.wanted)
     _check_buffers(subject, model)
     if with_optimizer:
-        targets.plan_steps(subject, params, source.optimizer.steps)
+        destinations.plan_steps(subject, params, source.optimizer.steps)
     state = training_state.plan_training_state(
         subject,
         model,
         source.optimizer,
         _group_names(subject, params.names),
-        with_optimizer=with_optimizer,
-        with_scheduler=with_scheduler,
-        module_only=module_only,
+        options,
     )
     report = LoadReport(_describe(files, model))
     report.restored.append(

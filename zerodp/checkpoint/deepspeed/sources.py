@@ -41,30 +41,32 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class Wanted:
     """Elements [start, end) of DeepSpeed parameter `name`, and where each value goes.
 
-    `targets` maps "fp32" (the master weights) and, with optimizer state,
+    `destinations` maps "fp32" (the master weights) and, with optimizer state,
     "exp_avg" and "exp_avg_sq" to 1-D tensors of end - start elements.
     """
 
     name: str
     start: int
     end: int
-    targets: dict[str, torch.Tensor]
+    destinations: dict[str, torch.Tensor]
     filled: dict[str, int] = field(default_factory=dict)
 
     def put(self, key: str, param_start: int, values: torch.Tensor) -> None:
         """Copy `values` (elements from `param_start` on) where they overlap this range."""
-        target = self.targets.get(key)
-        if target is None:
+        destination = self.destinations.get(key)
+        if destination is None:
             return
         lo = max(self.start, param_start)
         hi = min(self.end, param_start + values.numel())
         if lo >= hi:
             return
-        target[lo - self.start : hi - self.start].copy_(values[lo - param_start : hi - param_start])
+        destination[lo - self.start : hi - self.start].copy_(
+            values[lo - param_start : hi - param_start]
+        )
         self.filled[key] = self.filled.get(key, 0) + hi - lo
 
     def check_complete(self, source: str) -> None:
-        for key in self.targets:
+        for key in self.destinations:
             if self.filled.get(key, 0) != self.end - self.start:
                 raise CheckpointError(
                     f"{source} holds {self.filled.get(key, 0)} of the {self.end - self.start} "
@@ -165,7 +167,7 @@ class ZeroSource:
     def _ranks(self, wanted: Iterable[Wanted]) -> list[int]:
         ranks: set[int] = set()
         for item in wanted:
-            if item.targets:
+            if item.destinations:
                 ranks |= self.layout.ranks_holding(item.name, item.start, item.end)
         return sorted(ranks)
 
@@ -175,7 +177,7 @@ class ZeroSource:
         return self._opened[rank]
 
     def check(self, wanted: list[Wanted]) -> None:
-        with_moments = any(key in item.targets for item in wanted for key in MOMENTS)
+        with_moments = any(key in item.destinations for item in wanted for key in MOMENTS)
         for rank in self._ranks(wanted):
             opened = self._file(rank)
             self.layout.check_against(rank, opened.usable, f"'{opened.path}'")
@@ -271,12 +273,12 @@ class UniversalSource:
 
     def check(self, wanted: list[Wanted]) -> None:
         for item in wanted:
-            for key in item.targets:
+            for key in item.destinations:
                 self._value(item.name, key)
 
     def fill(self, wanted: list[Wanted]) -> None:
         for item in wanted:
-            for key in item.targets:
+            for key in item.destinations:
                 item.put(key, 0, self._value(item.name, key))
             item.check_complete(f"'{self.folder}'")
         self._values.clear()

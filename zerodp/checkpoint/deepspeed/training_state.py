@@ -27,6 +27,7 @@ import torch
 from zerodp.checkpoint.deepspeed.records import ModelStates
 from zerodp.checkpoint.deepspeed.sources import SharedOptimizerState
 from zerodp.checkpoint.deepspeed.unpickle import DynamicLossScalerRecord
+from zerodp.checkpoint.load_options import LoadOptions
 from zerodp.checkpoint.subject import CheckpointSubject
 from zerodp.errors import CheckpointError
 
@@ -67,14 +68,11 @@ def plan_training_state(
     model: ModelStates,
     optimizer: SharedOptimizerState,
     group_names: list[list[str]],
-    *,
-    with_optimizer: bool,
-    with_scheduler: bool,
-    module_only: bool,
+    options: LoadOptions,
 ) -> TrainingState:
     """What to apply; `group_names[k]`: DeepSpeed's names of this engine's param group k."""
     plan = TrainingState()
-    if module_only:
+    if options.load_module_only:
         plan.not_restored.append("counters, LR scheduler, loss scaler (load_module_only=True)")
         return plan
     steps = model.global_steps
@@ -90,11 +88,11 @@ def plan_training_state(
         f"{model.skipped_steps} (micro_steps set to global_steps x gradient_accumulation_steps: "
         "DeepSpeed does not save it)"
     )
-    if with_scheduler:
+    if options.load_lr_scheduler_states:
         _plan_scheduler(subject, model, plan)
     else:
         plan.not_restored.append("LR scheduler (load_lr_scheduler_states=False)")
-    if with_optimizer:
+    if options.with_optimizer:
         _plan_hyperparameters(subject, optimizer, group_names, plan)
         _plan_loss_scaler(subject, optimizer, plan)
         _compare_weight_decay(subject, model, plan)

@@ -30,8 +30,8 @@ from zerodp.errors import CollectiveError, ZeroDPError
 logger = logging.getLogger("zerodp")
 
 _KEPT = 8
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-_COMM = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[2])
+_COMM = str(Path(__file__).resolve().parents[1])  # zerodp/comm, failure handling included
 
 
 @dataclass
@@ -182,13 +182,9 @@ def recorded(kind: str) -> Callable[[F], F]:
     return wrap
 
 
-def tensor_nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _nbytes(args: tuple[Any, ...]) -> int | None:
     """The bytes of the largest tensor argument (the full tensor of the collective)."""
-    sizes = [tensor_nbytes(a) for a in args if isinstance(a, torch.Tensor)]
+    sizes = [a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor)]
     return max(sizes) if sizes else None
 
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from zerodp.accessors import FullStateAccessor
 from zerodp.comm import Comm
 from zerodp.errors import LifecycleError
+from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group import GroupIndex, GroupState, ParamStatus
 
 

@@ -25,18 +25,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from zerodp.comm import Comm, current_rank, is_initialized
-from zerodp.errors import CheckpointError
-from zerodp.gathered import GatheredParameters
-from zerodp.group import GroupState
-from zerodp.managed import manager_of, manager_of_module
-from zerodp.params import zero_parameter
-from zerodp.safetensors_stream import (
+from zerodp.checkpoint.safetensors_stream import (
     SafetensorsStreamWriter,
     TensorEntry,
     plan_files,
     write_index,
 )
+from zerodp.comm import Comm, current_rank, is_initialized
+from zerodp.errors import CheckpointError
+from zerodp.full_state.gathered_parameters import GatheredParameters
+from zerodp.full_state.param_managers import manager_of, manager_of_module
+from zerodp.group import GroupState
+from zerodp.params import zero_parameter
 
 
 def full_state_dict(

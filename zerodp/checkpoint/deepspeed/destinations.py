@@ -41,7 +41,7 @@ class WholeValue:
 
 
 @dataclass
-class ParamTargets:
+class ParamDestinations:
     """Everything this rank restores into its parameters and optimizer state."""
 
     in_place: list[Wanted] = field(default_factory=list)
@@ -88,13 +88,13 @@ def match_names(module: nn.Module, model: ModelStates) -> dict[str, str]:
     return matched
 
 
-def plan_targets(
+def plan_destinations(
     subject: CheckpointSubject, model: ModelStates, with_optimizer: bool
-) -> ParamTargets:
-    """This rank's targets; raises `CheckpointError` before anything is changed."""
+) -> ParamDestinations:
+    """This rank's destinations; raises `CheckpointError` before anything is changed."""
     names = match_names(subject.module, model)
     trainable = model.trainable_shapes
-    plan = ParamTargets(names=names)
+    plan = ParamDestinations(names=names)
     for entry in param_entries(subject):
         ds_name = names[entry.name]
         state, position = entry.state, entry.position
@@ -127,7 +127,7 @@ def plan_targets(
 
 def _in_place(
     subject: CheckpointSubject,
-    plan: ParamTargets,
+    plan: ParamDestinations,
     state: GroupState,
     position: int,
     ds_name: str,
@@ -141,22 +141,22 @@ def _in_place(
     else:
         overlap = flat.layout.overlap(position, flat.rank)
         start, end = (0, 0) if overlap is None else (overlap.param_start, overlap.param_end)
-    targets: dict[str, torch.Tensor] = {}
+    destinations: dict[str, torch.Tensor] = {}
     if end > start:
         master = owned_chunk(optim.param.detach(), state, position)
         if master is not None:
-            targets["fp32"] = master
+            destinations["fp32"] = master
         if with_optimizer:
             slots = _optimizer_state(subject, plan, optim.param)
             for key in MOMENTS:
                 chunk = owned_chunk(slots[key], state, position)
                 if chunk is not None:
-                    targets[key] = chunk
-    return Wanted(ds_name, start, end, targets)
+                    destinations[key] = chunk
+    return Wanted(ds_name, start, end, destinations)
 
 
 def _optimizer_state(
-    subject: CheckpointSubject, plan: ParamTargets, param: nn.Parameter
+    subject: CheckpointSubject, plan: ParamDestinations, param: nn.Parameter
 ) -> dict[str, torch.Tensor]:
     """The optimizer's state of `param`: its own, or new tensors for a fresh optimizer."""
     existing = subject.optimizer.state.get(param)
@@ -208,7 +208,7 @@ def _whole(
     return value
 
 
-def plan_steps(subject: CheckpointSubject, plan: ParamTargets, steps: dict[str, int]) -> None:
+def plan_steps(subject: CheckpointSubject, plan: ParamDestinations, steps: dict[str, int]) -> None:
     """Each trainable group's Adam step: the step DeepSpeed kept for its parameters."""
     for state in subject.groups.trainable:
         if state.optim is None:
@@ -231,7 +231,7 @@ def plan_steps(subject: CheckpointSubject, plan: ParamTargets, steps: dict[str, 
             plan.steps[state] = seen.pop()
 
 
-def write_steps(subject: CheckpointSubject, plan: ParamTargets) -> None:
+def write_steps(subject: CheckpointSubject, plan: ParamDestinations) -> None:
     for state, step in plan.steps.items():
         if state.optim is not None:
             slots = subject.optimizer.state.get(state.optim.param) or {}

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from zerodp.comm import failures
-from zerodp.comm.collectives import Comm
-from zerodp.comm.waiting import STALL_POLL_S
+from zerodp.comm.faults import failure_notices
+from zerodp.comm.faults.comm_view import WatchedComm
+from zerodp.comm.faults.polled_waits import STALL_POLL_S
 from zerodp.errors import DivergenceError, PeerFailedError
 
 Entry = tuple[str, int]  # (operation, group order); END closes a pass
@@ -102,7 +102,7 @@ class CollectiveOrder:
 
     def __init__(
         self,
-        comm: Comm,
+        comm: WatchedComm,
         *,
         describe: Callable[[Entry], str],
         advise: Callable[[list[Entry]], str],
@@ -120,7 +120,7 @@ class CollectiveOrder:
         prefix = f"zerodp/order/{next(_INSTANCES)}/"
         self._store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
         # This check's pass notices; exit notices are the process's ([Note: failure notices]).
-        self._failures = failures.FailureBoard(self._store, self.rank, self.world_size)
+        self._failures = failure_notices.FailureBoard(self._store, self.rank, self.world_size)
         comm.failure_boards.append(self._failures)
         self._logs: dict[str, list[Entry]] = {}
         self._numbers: Counter[str] = Counter()
@@ -215,9 +215,9 @@ class CollectiveOrder:
             for notice in self._failures.read()
             if notice.number >= self._numbers[notice.kind] - 1
         ]
-        notices = failures.one_per_rank(current + failures.read_exits())
+        notices = failure_notices.one_per_rank(current + failure_notices.read_exits())
         if notices:
-            self._error = failures.peer_failed_error(notices, doing)
+            self._error = failure_notices.peer_failed_error(notices, doing)
             raise self._error
 
     def _answer_alarms(self) -> None:

@@ -12,7 +12,7 @@ exception", SIGABRT, exit status 134 instead of the script's. The window is
 the time between the main thread's last collective and interpreter exit, which
 is short on a quiet machine and long on a busy one, so a failing run (which
 exits right after its last collective) ended by SIGABRT "sometimes". zerodp's
-waiting thread (`zerodp.comm.waiting`), blocked in `work.wait()` with the GIL
+waiting thread (`zerodp.comm.faults.polled_waits`), blocked in `work.wait()` with the GIL
 released, hits the same wall when it wakes during finalization.
 
 So zerodp registers `end_collectives` with `atexit` (atexit handlers run
@@ -20,7 +20,7 @@ before finalization, while other threads may still take the GIL) and there:
 
 0. posts that the script ended, with its step counts, unless it failed: a
    rank still waiting for this one reports uneven inputs ([Note: uneven
-   inputs] in `zerodp.comm.whereabouts`);
+   inputs] in `zerodp.comm.faults.uneven_inputs`);
 1. aborts each process group that still has a zerodp collective in flight or
    whose collective failed: nothing will read those results, and a peer that
    died or froze would never complete them (an abort makes them fail at once);
@@ -61,36 +61,34 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
-from zerodp.comm import failures
-from zerodp.comm.waiting import stop_waiting_thread
-from zerodp.comm.whereabouts import whereabouts
-
-if TYPE_CHECKING:
-    from zerodp.comm.collectives import Comm
+from zerodp.comm.faults import failure_notices
+from zerodp.comm.faults.comm_view import EndingComm
+from zerodp.comm.faults.polled_waits import stop_waiting_thread
+from zerodp.comm.faults.uneven_inputs import whereabouts
 
 logger = logging.getLogger("zerodp")
 
 _PEERS_SEE_S = 30.0  # how long an abandoning process waits for its peers to see why
 _STOP_WAITING_S = 10.0  # the waiting thread's last wait returns once the group is aborted
 
-_COMMS: weakref.WeakSet[Comm] = weakref.WeakSet()
+_COMMS: weakref.WeakSet[EndingComm] = weakref.WeakSet()
 _ABANDONED: list[str] = []  # collectives given up while still running (see the Note)
 _registered = threading.Lock()
 _REGISTERED: list[bool] = []
 
 
-def register(comm: Comm | None = None) -> None:
+def register(comm: EndingComm | None = None) -> None:
     """Tear down at exit (registered once per process); `comm`'s collectives take part."""
     if comm is not None:
         _COMMS.add(comm)
     with _registered:
         if not _REGISTERED:
             atexit.register(end_collectives)
-            failures.install_excepthook()  # see [Note: failure notices]
+            failure_notices.install_excepthook()  # see [Note: failure notices]
             _REGISTERED.append(True)
 
 
@@ -101,7 +99,7 @@ def end_collectives() -> None:
     """
     if _ended_cleanly():  # ranks still waiting for this one learn that its script ended
         whereabouts().at_exit()
-    if _ABANDONED and failures.ended_by_uncaught_exception():
+    if _ABANDONED and failure_notices.ended_by_uncaught_exception():
         whereabouts().wait_until_seen(_PEERS_SEE_S)
         _end_now(1)
     for group in _groups_to_abort():
@@ -145,7 +143,7 @@ def abort_group(group: Any) -> None:
 def _ended_cleanly() -> bool:
     """No collective of this process failed and it posted no failure ([Note: failure
     notices]): the script ran to its end (or exited on purpose)."""
-    if not (dist.is_available() and dist.is_initialized()) or failures.posted_any():
+    if not (dist.is_available() and dist.is_initialized()) or failure_notices.posted_any():
         return False
     return all(comm.history.broken is None for comm in list(_COMMS))
 

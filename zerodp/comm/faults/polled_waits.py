@@ -2,7 +2,7 @@
 
 A rank waiting in a collective that another rank will never join would wait
 until the process group's timeout (half an hour). The collective order check
-([Note: collective order] in `zerodp.comm.order`) instead has every wait call
+([Note: collective order] in `zerodp.comm.faults.collective_order`) instead has every wait call
 `on_stall` each `STALL_POLL_S` seconds it lasts, which may raise. gloo's
 all-gather and all-reduce honour a timed `wait`; its reduce-scatter ignores
 the timeout (it blocks until done) and has neither a future nor a working
@@ -74,7 +74,7 @@ def wait_timed(work: Any, on_stall: OnStall) -> bool:
 def stop_waiting_thread(timeout_s: float) -> bool:
     """Let the waiting thread finish what it holds and end; whether it ended in time.
 
-    Called at interpreter exit (see [Note: ending the process] in zerodp.comm.teardown):
+    Called at interpreter exit (see [Note: ending the process] in zerodp.comm.faults.teardown):
     a thread still inside `work.wait()` when the interpreter finalizes aborts the process.
     """
     return _HELPER.stop(timeout_s)

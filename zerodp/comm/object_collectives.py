@@ -2,7 +2,7 @@
 
 torch's `all_gather_object` and `broadcast_object_list` block inside the backend,
 so a rank stuck in one (a checkpoint's agreement while a peer is still training)
-never hears why ([Note: uneven inputs] in `zerodp.comm.whereabouts`). These do
+never hears why ([Note: uneven inputs] in `zerodp.comm.faults.uneven_inputs`). These do
 the same with asynchronous tensor collectives that `finish` waits for, polled:
 the pickled bytes' lengths first, then the bytes, padded to the longest. Only
 zerodp's own small records travel this way, between ranks of one job.

@@ -3,11 +3,12 @@
 An engine steps one torch optimizer (AdamW, Adafactor, ...) or several: the
 config's "Muon" is torch's Muon for the matrices and AdamW for the rest, and
 a torch user hands zerodp the same pair as a list (`optimizer=[muon, adamw]`).
-Each is one `OptimizerPart`, stepped on flat shards or on whole tensors as its
-class says (`zerodp.optim.tensorwise.selection`). What users, LR schedulers
-and checkpoints see is one optimizer: the part's own, or an `OptimizerChain`
-over all of them, whose param groups are every part's groups in the engine's
-order and whose state is one dictionary the parts share.
+Each is one `GroupOptimizer`, stepped on flat shards or on whole tensors as
+its class says (`zerodp.optim.tensorwise.selection`); `TorchOptimizers` holds
+them all. What users, LR schedulers and checkpoints see is one optimizer: the
+only one, or an `OptimizerChain` over all of them, whose param groups are
+every member's groups in the engine's order and whose state is one
+dictionary the members share.
 """
 
 from __future__ import annotations
@@ -48,33 +49,37 @@ class OptimizerSource:
 
 
 @dataclass
-class OptimizerPart:
+class GroupOptimizer:
+    """One torch optimizer, the path it steps by, and the flat groups it steps."""
+
     optimizer: torch.optim.Optimizer
     path: UpdatePath
     states: list[GroupState]  # the trainable groups whose parameters it steps
 
 
 @dataclass
-class OptimizerParts:
-    parts: list[OptimizerPart]
+class TorchOptimizers:
+    """Every torch optimizer of an engine, and the one optimizer users see."""
+
+    members: list[GroupOptimizer]
     inner: torch.optim.Optimizer  # what users and schedulers see
-    tensorwise: TensorwiseStep | None  # the whole tensors, when any part reads them
+    tensorwise: TensorwiseStep | None  # the whole tensors, when any member reads them
 
     @property
-    def elementwise(self) -> list[OptimizerPart]:
-        return [p for p in self.parts if p.path is UpdatePath.ELEMENTWISE]
+    def elementwise(self) -> list[GroupOptimizer]:
+        return [p for p in self.members if p.path is UpdatePath.ELEMENTWISE]
 
     @property
     def tensorwise_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [p.optimizer for p in self.parts if p.path is UpdatePath.TENSORWISE]
+        return [p.optimizer for p in self.members if p.path is UpdatePath.TENSORWISE]
 
 
-def build_parts(
+def build_torch_optimizers(
     sources: Sequence[OptimizerSource],
     options: Sequence[dict[str, Any]],
     states: list[GroupState],
     make_tensorwise: Callable[[list[GroupState]], TensorwiseStep],
-) -> OptimizerParts:
+) -> TorchOptimizers:
     """Every source's torch optimizer, on flat shards or on whole tensors.
 
     `options` are the engine's param groups' settings (all but "params"), by
@@ -90,15 +95,15 @@ def build_parts(
             source, _groups(source, options, tensorwise.param_groups(len(options)))
         )
         if update_path(type(probe)) is UpdatePath.TENSORWISE:
-            part = OptimizerPart(probe, UpdatePath.TENSORWISE, states)
-            return OptimizerParts([part], probe, tensorwise)
+            member = GroupOptimizer(probe, UpdatePath.TENSORWISE, states)
+            return TorchOptimizers([member], probe, tensorwise)
         tensorwise = None
         paths = [UpdatePath.ELEMENTWISE]
     whole = [s for s, p in zip(sources, paths, strict=True) if p is UpdatePath.TENSORWISE]
     whole_states = [s for s in states if any(s.flat.param_group_index in w.groups for w in whole)]
     if whole_states:
         tensorwise = make_tensorwise(whole_states)
-    parts = []
+    members = []
     for source, path in zip(sources, paths, strict=True):
         mine = [s for s in states if s.flat.param_group_index in source.groups]
         if path is UpdatePath.TENSORWISE and tensorwise is not None:
@@ -111,9 +116,9 @@ def build_parts(
                 f"the optimizer callable returned a {type(optimizer).__name__} for whole tensors "
                 "and another kind for flat shards; return the same class each time"
             )
-        parts.append(OptimizerPart(optimizer, path, mine))
-    inner = parts[0].optimizer if len(parts) == 1 else OptimizerChain(parts, sources)
-    return OptimizerParts(parts, inner, tensorwise)
+        members.append(GroupOptimizer(optimizer, path, mine))
+    inner = members[0].optimizer if len(members) == 1 else OptimizerChain(members, sources)
+    return TorchOptimizers(members, inner, tensorwise)
 
 
 def _flat_params(states: list[GroupState], num_groups: int) -> list[list[Any]]:
@@ -170,16 +175,16 @@ def _repoint(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> 
 class OptimizerChain(torch.optim.Optimizer):
     """Several torch optimizers seen as one (see the module docstring).
 
-    `param_groups` holds the parts' own group dictionaries, so a scheduler that
-    sets a group's lr sets it for the part; `state` is the one dictionary every
-    part reads and writes (their parameters are distinct). `Optimizer.__init__`
+    `param_groups` holds the members' own group dictionaries, so a scheduler that
+    sets a group's lr sets it for the member; `state` is the one dictionary every
+    member reads and writes (their parameters are distinct). `Optimizer.__init__`
     is not called: the chain has no parameters of its own.
     """
 
-    def __init__(self, parts: list[OptimizerPart], sources: Sequence[OptimizerSource]) -> None:
-        self.parts = [part.optimizer for part in parts]
+    def __init__(self, members: list[GroupOptimizer], sources: Sequence[OptimizerSource]) -> None:
+        self.optimizers = [member.optimizer for member in members]
         self.defaults: dict[str, Any] = {}
-        # (part, its own group index) for each engine param group, in the engine's order.
+        # (member, its own group index) for each engine param group, in the engine's order.
         order = sorted(
             (index, number, local)
             for number, source in enumerate(sources)
@@ -190,41 +195,41 @@ class OptimizerChain(torch.optim.Optimizer):
         init_optimizer_hook_dicts(self)
 
     def _share(self) -> None:
-        """The parts' group dictionaries in the engine's order, and one state dictionary."""
-        self.param_groups = [self.parts[n].param_groups[local] for n, local in self._where]
+        """The members' group dictionaries in the engine's order, and one state dictionary."""
+        self.param_groups = [self.optimizers[n].param_groups[local] for n, local in self._where]
         shared: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
-        for optimizer in self.parts:
+        for optimizer in self.optimizers:
             shared.update(optimizer.state)
             optimizer.state = shared
         self.state = shared
 
     @property
     def class_label(self) -> str:
-        """The parts' classes, as a checkpoint records them ("Muon+AdamW")."""
-        return "+".join(type(optimizer).__name__ for optimizer in self.parts)
+        """The members' classes, as a checkpoint records them ("Muon+AdamW")."""
+        return "+".join(type(optimizer).__name__ for optimizer in self.optimizers)
 
     def group_defaults(self, index: int) -> dict[str, Any]:
-        """The defaults of the part that steps param group `index`."""
-        return self.parts[self._where[index][0]].defaults
+        """The defaults of the member that steps param group `index`."""
+        return self.optimizers[self._where[index][0]].defaults
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load `state_dict()`'s output: each part gets its own groups and their state."""
+        """Load `state_dict()`'s output: each member gets its own groups and their state."""
         groups = state_dict["param_groups"]
         if len(groups) != len(self._where):
             raise ValueError(
                 f"the state dict has {len(groups)} param groups, this optimizer {len(self._where)}"
             )
-        for number, optimizer in enumerate(self.parts):
+        for number, optimizer in enumerate(self.optimizers):
             mine = sorted(
                 (local, groups[i]) for i, (n, local) in enumerate(self._where) if n == number
             )
             renumber: dict[int, int] = {}
-            part_groups = []
+            member_groups = []
             for _, group in mine:
                 ids = [renumber.setdefault(i, len(renumber)) for i in group["params"]]
-                part_groups.append({**group, "params": ids})
+                member_groups.append({**group, "params": ids})
             state = {renumber[i]: v for i, v in state_dict["state"].items() if i in renumber}
-            optimizer.load_state_dict({"state": state, "param_groups": part_groups})
+            optimizer.load_state_dict({"state": state, "param_groups": member_groups})
         self._share()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -235,8 +240,8 @@ class OptimizerChain(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         if closure is not None:
             raise ValueError("zerodp's optimizers take no closure")
-        for optimizer in self.parts:
+        for optimizer in self.optimizers:
             optimizer.step()
 
     def __repr__(self) -> str:
-        return f"OptimizerChain({', '.join(type(o).__name__ for o in self.parts)})"
+        return f"OptimizerChain({', '.join(type(o).__name__ for o in self.optimizers)})"
