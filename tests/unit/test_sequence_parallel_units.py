@@ -96,3 +96,12 @@ def test_labels_are_shifted_before_the_split_and_targets_counted_once() -> None:
     shifted = shift_labels(labels)
     assert shifted.tolist() == [[6, -100, 8, -100], [-100, 3, 4, -100]]
     assert int(count_targets(shifted)) == 4
+
+
+def test_lightnings_strategy_refuses_sequence_parallelism() -> None:
+    """Lightning's loaders shard by process: a sequence group would get different batches."""
+    pytest.importorskip("lightning")
+    from zerodp.integrations.lightning import ZeroDPStrategy
+
+    with pytest.raises(ConfigError, match="use ZeroDPTrainer or a plain loop"):
+        ZeroDPStrategy({"sequence_parallel_size": 2})
