@@ -65,6 +65,8 @@ class SequenceForwardHooks:
         return (), split
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not self._previous:  # a pre-hook before ours raised: ours never ran
+            return None
         group = self.group
         mode, calls = group.mode, group.attention_calls
         group.restore(*self._previous.pop())
