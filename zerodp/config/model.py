@@ -50,6 +50,7 @@ __all__ = [
     "OptimizerConfig",
     "SGDParams",
     "SchedulerConfig",
+    "TiledComputeConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",
@@ -204,6 +205,20 @@ class FP16Config(Section):
     min_loss_scale: PosFloat = 1.0
 
 
+class TiledComputeConfig(Section):
+    """`tiled_compute` (zerodp's key): a Hugging Face causal LM's MLPs and its logits and
+    loss computed a tile of tokens at a time (docs/sequence-parallel.md, [Note: tiled
+    compute]); `tile_tokens` 0: the model's hidden size."""
+
+    mlp: Bool = False
+    logits_loss: Bool = False
+    tile_tokens: NonNegInt = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mlp or self.logits_loss
+
+
 class CompileConfig(Section):
     """`compile`: torch.compile the model (stages 0-2) or each of its blocks (stage 3).
 
@@ -274,6 +289,7 @@ class ZeroDPConfig(Section):
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    tiled_compute: TiledComputeConfig = Field(default_factory=TiledComputeConfig)
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
     # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
@@ -291,6 +307,19 @@ class ZeroDPConfig(Section):
                 lambda k: (
                     f"config keys '{k[0]}' and '{k[1]}' are both true; allowed: at most one "
                     "half-precision mode; set one of them to false"
+                ),
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tiles_not_compiled(self) -> ZeroDPConfig:
+        if self.tiled_compute.enabled and self.compile.enabled:
+            raise SectionRuleError(
+                ("tiled_compute", "compile.enabled"),
+                lambda k: (
+                    f"config key '{k[0]}' turns tiling on with '{k[1]}' true: zerodp does not "
+                    f"compile tiled modules; set '{k[1]}' to false, or '{k[0]}.mlp' and "
+                    f"'{k[0]}.logits_loss' to false"
                 ),
             )
         return self

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.hooks import RootHooks
@@ -56,7 +57,7 @@ from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
-from zerodp.sequence import SequenceParallel
+from zerodp.sequence import SequenceParallel, TiledCompute, TilingSettings
 from zerodp.train_state import TrainState
 
 
@@ -193,10 +194,14 @@ def assemble(
         gate=backward.gate,
     )
     sequence = _sequence_parallel(module, comms)
+    # After the sequence hooks: its forward hooks run on the split inputs.
+    tiling = _tiled_compute(module, config, backward.params.module_hooks)
     # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
     handles: list[Removable] = [*backward.handles, *frozen, posttrain.offload]
     if sequence is not None:
         handles.append(sequence)
+    if tiling is not None:
+        handles.append(tiling)
     return EngineParts(
         comm=comm,
         comms=comms,
@@ -246,6 +251,19 @@ def _sequence_parallel(module: nn.Module, comms: GroupComms) -> SequenceParallel
     if comms.sequence is None:
         return None
     return SequenceParallel(module, comms.sequence, comms.dims)
+
+
+def _tiled_compute(
+    module: nn.Module, config: ZeroDPConfig, engine_hooks: list[RemovableHandle]
+) -> TiledCompute | None:
+    settings = config.tiled_compute
+    if not settings.enabled:
+        return None
+    return TiledCompute(
+        module,
+        TilingSettings(settings.mlp, settings.logits_loss, settings.tile_tokens),
+        engine_hooks,
+    )
 
 
 def _data_loader(

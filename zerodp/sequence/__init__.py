@@ -13,6 +13,9 @@ Hugging Face model switches its attention and splits its forward itself
 - `hf_attention`, `hf_forward`, `inputs`: a Hugging Face model's attention,
   masks and inputs ([Note: sequence-parallel forwards]);
 - `loss`: a loss over a split sequence ([Note: sequence-parallel loss]);
+- `tiling`, `hf_tiling`: token-wise modules and the logits' loss computed a tile of
+  tokens at a time ([Note: tiled compute]), and their switch in a Hugging Face model
+  (`"tiled_compute"`, with or without sequence parallelism);
 - `group`, `parallel`: the sequence group's state, and what the engine holds.
 
 The rules that depend on the dimensions (which ranks form a group, which tokens
@@ -21,16 +24,22 @@ a rank holds, what a reduction is divided by) are `zerodp.parallel`'s.
 
 from zerodp.sequence.attention import UlyssesAttention, sequence_parallel_attention
 from zerodp.sequence.group import ForwardMode, SequenceGroup
+from zerodp.sequence.hf_tiling import TiledCompute, TilingSettings
 from zerodp.sequence.loss import count_targets, shift_labels, sum_over_sequence
 from zerodp.sequence.parallel import SequenceParallel
+from zerodp.sequence.tiling import tiled_logits_loss, tiled_tokenwise
 
 __all__ = [
     "ForwardMode",
     "SequenceGroup",
     "SequenceParallel",
+    "TiledCompute",
+    "TilingSettings",
     "UlyssesAttention",
     "count_targets",
     "sequence_parallel_attention",
     "shift_labels",
     "sum_over_sequence",
+    "tiled_logits_loss",
+    "tiled_tokenwise",
 ]

@@ -55,7 +55,7 @@ class SequenceForwardHooks:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         group = self.group
         self._previous.append((group.mode, group.full))
-        named = _as_keywords(module, args, kwargs) if args else kwargs
+        named = forward_keywords(module, args, kwargs) if args else kwargs
         if not wants_split(named):
             _refuse_whole_with_gradients(module, group)
             group.to_whole()
@@ -85,7 +85,7 @@ class SequenceForwardHooks:
         return _with_summed_loss(output, group)
 
 
-def _as_keywords(
+def forward_keywords(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
     """Positional arguments bound to the names of the model's forward."""
