@@ -67,20 +67,28 @@ class Case:
     trainer: str  # "hf" or "sft"
     stage: int
     args: dict[str, Any] = field(default_factory=dict)
+    tiled: bool = False  # the MLPs and the loss in tiles of 3 tokens (`tiled_compute`)
 
     def zerodp_config(self) -> dict[str, Any]:
-        return {"sequence_parallel_size": 2, "zero_optimization": {"stage": self.stage}}
+        config: dict[str, Any] = {
+            "sequence_parallel_size": 2,
+            "zero_optimization": {"stage": self.stage},
+        }
+        if self.tiled:
+            config["tiled_compute"] = {"mlp": True, "logits_loss": True, "tile_tokens": 3}
+        return config
 
 
 CASES = [
     Case("Trainer, stage 2", "hf", 2, {"include_num_input_tokens_seen": "all"}),
     Case(
-        "Trainer, stage 3, tokens not averaged, activation checkpointing",
+        "Trainer, stage 3, tokens not averaged, activation checkpointing, tiled",
         "hf",
         3,
         {"average_tokens_across_devices": False, "gradient_checkpointing": True},
+        tiled=True,
     ),
-    Case("SFTTrainer, stage 1", "sft", 1),
+    Case("SFTTrainer, stage 1, tiled", "sft", 1, tiled=True),
 ]
 
 

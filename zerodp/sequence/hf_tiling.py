@@ -10,7 +10,9 @@ What is tiled ([Note: tiled compute] in `tiling`):
   or shift_labels, no KV cache), the output layer computes the loss itself, a tile of
   logits at a time, and the model runs without labels. The returned `.loss` is the
   model's loss; `.logits` is None (they were never built whole). A forward under
-  `torch.no_grad()` (evaluation) is not tiled and returns its logits.
+  `torch.no_grad()` (evaluation) is not tiled and returns its logits, nor is one
+  that TRL's trainers run with `fused_lm_head=True` (TRL then computes the loss from
+  chunks of the logits itself).
 
 `tile_tokens` 0 picks the model's hidden size: a tile's widest activation (an MLP's
 intermediate, the logits) is then the size of one of the module's weight matrices.
@@ -224,6 +226,8 @@ class TiledCompute:
         named = forward_keywords(module, args, kwargs) if args else dict(kwargs)
         keep = named.get("logits_to_keep")
         if not wants_split(named) or not (keep is None or (isinstance(keep, int) and keep == 0)):
+            return None
+        if named.get("fused_lm_head"):  # TRL computes this loss in chunks itself
             return None
         targets = named.pop("shift_labels", None)
         if targets is None:
