@@ -9,9 +9,9 @@ DeepSpeed 0.19.8's Ulysses at the same S (untiled; where `--ds-python` imports i
 longest sequence of one row that trains two ZeRO stage 3 steps (AdamW) when each rank may
 hold `--budget-mib` of private memory beyond what it holds once the engine is built and
 has trained one step on 8 x S tokens (RLIMIT_DATA; bench/_sequence_fit_worker.py): the
-model states are outside the budget, what a longer sequence adds is inside it. The length is searched by doubling, then
-bisection down to `--resolution` (each attempt fresh processes, as bench/scaling.py's
-`fit` sweep does); lengths are multiples of 8 x S.
+model states are outside the budget, what a longer sequence adds is inside it. The
+length is searched by doubling, then bisection down to `--resolution` (each attempt fresh
+processes, as bench/scaling.py's `fit` sweep does); lengths are multiples of 8 x S.
 
 The model: a tiny Llama (vocabulary 4096, hidden 64, MLP 256, 2 layers, 4 heads; 0.66 M
 parameters, untied output layer), whose per-token cost is dominated by the logits, as
