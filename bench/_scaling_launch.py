@@ -58,8 +58,10 @@ def launch(
     python: str,
     timeout_s: float,
     extra_env: dict[str, str] | None = None,
+    worker: Path = WORKER,
 ) -> tuple[list[int | None], Path]:
-    """Run `task` on `world_size` ranks; (each rank's exit code, None if stopped; output path)."""
+    """Run `task` on `world_size` ranks of `worker` (bench/_scaling_worker.py unless given);
+    (each rank's exit code, None if stopped; output path)."""
     workdir = Path(tempfile.mkdtemp(prefix="zerodp-scaling-"))
     task_path, out_path = workdir / "task.json", workdir / "out.json"
     task_path.write_text(json.dumps(task))
@@ -79,7 +81,7 @@ def launch(
         rank_env = env | {"RANK": str(rank), "LOCAL_RANK": str(rank)}
         procs.append(
             subprocess.Popen(
-                [python, str(WORKER), str(task_path), str(out_path)],
+                [python, str(worker), str(task_path), str(out_path)],
                 env=rank_env,
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL if rank else None,

@@ -78,6 +78,8 @@ def train_case(
     config = tp_config(stage, gas=gas, clip=clip)
     engine, _, _, _ = zerodp.initialize(model=prepared_model(pattern), config=config)
     check_q_proj_is_a_slice(engine, build_llama())
+    world = dist.get_world_size()
+    assert (engine.dp_world_size, engine.mp_world_size) == (world // TENSOR, TENSOR)
     trace, compared = train_engine(engine, STEPS, gas, data_index(), pattern=pattern)
     measured = model_state_formula(engine, stage) if memory else None
     weights = engine.state_dict()

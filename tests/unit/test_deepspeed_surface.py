@@ -243,8 +243,8 @@ def test_deepspeeds_positional_order_is_recognised() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mpu": object()}, "model parallelism"),
-        ({"mesh_param": (2, 1)}, "sequence-parallel meshes"),
+        ({"mpu": object()}, "a Megatron mpu is not read"),
+        ({"mesh_param": (2, 1)}, "zerodp builds its mesh from the config"),
     ],
 )
 def test_initialize_refuses_model_parallel_arguments(kwargs: dict, message: str) -> None:

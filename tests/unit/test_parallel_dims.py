@@ -10,7 +10,18 @@ import itertools
 import pytest
 
 from zerodp.errors import ConfigError
-from zerodp.parallel import REPLICA, SECONDARY, SEQUENCE, SHARD, SLICE, TENSOR, WORLD, ParallelDims
+from zerodp.parallel import (
+    REPLICA,
+    SECONDARY,
+    SEQUENCE,
+    SHARD,
+    SLICE,
+    TENSOR,
+    WORLD,
+    ParallelDims,
+    composition_problems,
+    data_parallel_size,
+)
 
 # (world, mics shard size or -1, sequence, tensor, hpZ)
 MESHES = [
@@ -157,3 +168,38 @@ def test_sizes_that_do_not_fit_name_the_fix(
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
         ParallelDims.build(world, 0, shard_size=shard, sequence_size=seq, tensor_size=tensor)
+
+
+@pytest.mark.parametrize("length", [1, 7, 12, 13, 16, 17])
+@pytest.mark.parametrize("seq", [1, 2, 3, 4])
+def test_the_sequence_ranks_hold_equal_consecutive_slices_of_the_padded_sequence(
+    length: int, seq: int
+) -> None:
+    """Rule 4: ceil(L / S) tokens each, in rank order, covering every token once; the padding
+    (fewer than S tokens) at the end."""
+    world = 2 * seq
+    slices = [
+        ParallelDims.build(world, r, sequence_size=seq).sequence_slice(length) for r in range(world)
+    ]
+    local = -(-length // seq)
+    for rank, piece in enumerate(slices):
+        s = rank % seq
+        assert (piece.start, piece.stop, piece.local_length) == (s * local, (s + 1) * local, local)
+        assert piece.padded_length == local * seq and 0 <= piece.padding < seq
+    covered = [t for piece in slices[:seq] for t in range(piece.start, piece.stop)]
+    assert covered == list(range(local * seq))
+
+
+def test_the_batch_sizes_count_data_ranks() -> None:
+    assert data_parallel_size(8, 2) == 4
+    assert data_parallel_size(8, 2, 2) == 2
+    assert data_parallel_size(8) == 8
+    with pytest.raises(ConfigError, match="sequence_parallel_size 3"):
+        data_parallel_size(8, 3)
+
+
+def test_sequence_and_tensor_parallelism_together_are_refused_naming_both() -> None:
+    assert composition_problems(2, 1) == composition_problems(1, 2) == []
+    (problem,) = composition_problems(2, 2)
+    assert "sequence_parallel_size 2" in problem and "tensor_parallel.autotp_size 2" in problem
+    assert "set one of them to 1" in problem

@@ -229,3 +229,20 @@ def test_trl_options_without_a_zerodp_path_are_refused() -> None:
         SimpleNamespace(sync_ref_model=True), {"zero_optimization": {"stage": 1}}
     )
     refuse_unsupported_post_training(SimpleNamespace(sync_ref_model=False), stage3)
+
+
+def test_accelerates_own_sequence_or_context_parallelism_is_refused_with_zerodps_key(
+    tmp_path: Path,
+) -> None:
+    """Accelerate's ParallelismConfig would split the batch a second time (TRL and the Trainer
+    route `sp_size` to DeepSpeed's Ulysses): refused, naming zerodp's key."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from zerodp.integrations.transformers import ZeroDPTrainer
+
+    for config in (ParallelismConfig(sp_size=2), ParallelismConfig(cp_size=2)):
+        args = transformers.TrainingArguments(str(tmp_path), report_to=[], use_cpu=True)
+        args.parallelism_config = config  # set after: the arguments would check the world size
+        with pytest.raises(ConfigError, match="Accelerate's ParallelismConfig") as error:
+            ZeroDPTrainer(model=build_llama(), args=args, zerodp_config={})
+        assert 'set "sequence_parallel_size" in zerodp_config' in str(error.value), error.value

@@ -118,8 +118,9 @@ def _check_mpu(mpu: Any) -> None:
         size = getattr(mpu, name, None)
         if size is not None and size() > 1:
             raise UsageError(
-                f"activation checkpointing: the mpu has {size()} model-parallel ranks; zerodp is "
-                "data parallel only (no tensor parallelism); configure without an mpu"
+                f"activation checkpointing: the mpu has {size()} model-parallel ranks; zerodp "
+                "reads no Megatron mpu (its tensor parallelism is set in the config and keeps "
+                "its groups inside the engine); configure without an mpu"
             )
 
 

@@ -102,12 +102,14 @@ def refuse_deepspeed_arguments(mpu: Any, mesh_param: Any, dist_init_required: An
     """DeepSpeed's `initialize` keywords for features zerodp does not have."""
     if mpu is not None:
         raise UsageError(
-            "initialize(mpu=...): model parallelism (a Megatron mpu) is not in zerodp, which is "
-            "data parallel only; drop mpu and use zero_optimization.stage 3"
+            "initialize(mpu=...): a Megatron mpu is not read by zerodp; drop mpu and set "
+            '"tensor_parallel": {"autotp_size": T} in the config for tensor parallelism '
+            "(docs/tensor-parallel.md), or use zero_optimization.stage 3"
         )
     if mesh_param is not None:
         raise UsageError(
-            "initialize(mesh_param=...): sequence-parallel meshes are not in zerodp; drop it"
+            "initialize(mesh_param=...): zerodp builds its mesh from the config; drop it and set "
+            '"sequence_parallel_size": S (docs/sequence-parallel.md)'
         )
     if dist_init_required is False:
         from zerodp.comm import is_initialized

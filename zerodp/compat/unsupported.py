@@ -37,8 +37,12 @@ KERNELS = (
     "torch.nn.functional.scaled_dot_product_attention) and zerodp.ops' optimizers"
 )
 PARALLEL = (
-    "tensor and sequence parallelism (AutoTP, Ulysses) are not in zerodp, which is data "
-    "parallel only; use zero_optimization.stage 3 to fit the model"
+    "DeepSpeed's AutoTP and Ulysses entry points (tp_model_init, set_autotp_mode, "
+    "deepspeed.runtime.tensor_parallel, deepspeed.sequence.layer) are not zerodp's: zerodp "
+    "splits the model at initialize from the config, "
+    '"tensor_parallel": {"autotp_size": T} (docs/tensor-parallel.md) or '
+    '"sequence_parallel_size": S (docs/sequence-parallel.md), and switches a Hugging Face '
+    "model's attention itself (zerodp.sequence.sequence_parallel_attention for other models)"
 )
 HYBRID = (
     "DeepSpeed's hybrid engine is not in zerodp; a zerodp engine generates inside "
@@ -66,7 +70,7 @@ MODULES: dict[str, str] = {
         "DeepSpeed's async I/O op is not in zerodp; zerodp offloads to files itself "
         '(zero_optimization.offload_optimizer / offload_param with "device": "nvme")'
     ),
-    "sequence": PARALLEL,
+    "sequence.layer": PARALLEL,
     "runtime.tensor_parallel": PARALLEL,
     "compression": (
         "DeepSpeed Compression is not in zerodp; use torch.ao.quantization or a pruning library"
@@ -115,7 +119,6 @@ ATTRIBUTES: dict[str, dict[str, str]] = {
         "DeepSpeedHybridEngine": HYBRID,
         "tp_model_init": PARALLEL,
         "set_autotp_mode": PARALLEL,
-        "sequence": PARALLEL,
         "profiling": _FLOPS,
         "compression": MODULES["compression"],
         "autotuning": MODULES["autotuning"],

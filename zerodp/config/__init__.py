@@ -47,7 +47,6 @@ from zerodp.config.scheduler import (
     WarmupLRParams,
 )
 from zerodp.errors import ConfigError, ConfigWarning
-from zerodp.parallel import ParallelDims
 
 __all__ = [
     "AdamParams",
@@ -98,13 +97,13 @@ def load_config(
         parsed = config
     else:
         parsed = _parse(_as_dict(config), _hints_for(hints, world_size), rank)
-    data_ranks, ranks_text = _data_ranks(parsed, world_size)
     sizes = resolve_batch_sizes(
         parsed.train_batch_size,
         parsed.train_micro_batch_size_per_gpu,
         parsed.gradient_accumulation_steps,
-        data_ranks,
-        ranks=ranks_text,
+        world_size,
+        parsed.sequence_parallel_size,
+        parsed.tensor_parallel.size,
     )
     return parsed.model_copy(
         update={
@@ -112,19 +111,6 @@ def load_config(
             "train_micro_batch_size_per_gpu": sizes.train_micro_batch_size_per_gpu,
             "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
         }
-    )
-
-
-def _data_ranks(config: ZeroDPConfig, world_size: int) -> tuple[int, str]:
-    """The ranks that read different samples, and what messages call them: the world, or
-    with tensor parallelism its data-parallel part (T ranks share each batch)."""
-    tensor = config.tensor_parallel.size
-    if tensor == 1 or world_size < 1:
-        return world_size, "world size"
-    data = ParallelDims.build(world_size, 0, tensor_size=tensor).data_size
-    return data, (
-        f"data-parallel size {data} (world size {world_size} / tensor_parallel.autotp_size "
-        f"{tensor})"
     )
 
 

@@ -1,8 +1,9 @@
 """Batch-size arithmetic: train_batch_size = micro batch x accumulation steps x data ranks.
 
-The data ranks are the ranks that read different samples: every rank, unless
-tensor parallelism makes T ranks share each batch (then world size / T, as
-DeepSpeed counts them when given an `mpu`).
+The data ranks are the ranks that read different samples: the world size, divided by
+`sequence_parallel_size` (the ranks of a sequence group share their samples) and by
+`tensor_parallel.autotp_size` (so do those of a tensor group), as DeepSpeed counts them
+(see rule 5 of [Note: parallel dimensions] in `zerodp.parallel.dims`).
 
 Kept apart from the models because it needs the world size, which is a fact
 about the launch, not about the config file, and because it is pure integer
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerodp.errors import ConfigError
+from zerodp.parallel import data_parallel_size
 
 _TRAIN = "train_batch_size"
 _MICRO = "train_micro_batch_size_per_gpu"
@@ -35,16 +37,18 @@ def resolve_batch_sizes(
     train_micro_batch_size_per_gpu: int | None,
     gradient_accumulation_steps: int | None,
     world_size: int,
-    *,
-    ranks: str = "world size",
+    sequence_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> BatchSizes:
     """Fill in whichever of the three sizes is missing, or check all three agree.
 
-    `world_size` is the number of data ranks, `ranks` what the messages call it. Any
-    two determine the third. With only `train_batch_size`, accumulation is 1 and the
-    micro batch is the per-rank share; with only the micro batch, accumulation is 1.
+    Any two determine the third. With only `train_batch_size`, accumulation is
+    1 and the micro batch is the per-rank share; with only the micro batch,
+    accumulation is 1. The ranks counted are the data ranks (world size /
+    (`sequence_parallel_size` x `tensor_parallel_size`)).
     """
-    _check_positive(ranks, world_size)
+    _check_positive("world size", world_size)
+    ranks = data_parallel_size(world_size, sequence_parallel_size, tensor_parallel_size)
     for name, value in (
         (_TRAIN, train_batch_size),
         (_MICRO, train_micro_batch_size_per_gpu),
@@ -57,25 +61,26 @@ def resolve_batch_sizes(
         train_batch_size,
         train_micro_batch_size_per_gpu,
         gradient_accumulation_steps,
-        world_size,
+        ranks,
     )
+    ranks_text = _ranks_text(w, world_size, sequence_parallel_size, tensor_parallel_size)
     if t is not None and m is not None and g is not None:
         if t != m * g * w:
             raise ConfigError(
-                f"{_TRAIN} {t} != {_MICRO} {m} x {_GAS} {g} x {ranks} {w} = {m * g * w}; "
+                f"{_TRAIN} {t} != {_MICRO} {m} x {_GAS} {g} x {ranks_text} = {m * g * w}; "
                 "fix one of the three"
             )
         return BatchSizes(t, m, g)
     if t is not None and m is not None:
-        g = _divide(t, m * w, f"{_MICRO} {m} x {ranks} {w}", f"or change {_MICRO}")
+        g = _divide(t, m * w, f"{_MICRO} {m} x {ranks_text}", f"or change {_MICRO}")
         return BatchSizes(t, m, g)
     if t is not None and g is not None:
-        m = _divide(t, g * w, f"{_GAS} {g} x {ranks} {w}", f"or change {_GAS}")
+        m = _divide(t, g * w, f"{_GAS} {g} x {ranks_text}", f"or change {_GAS}")
         return BatchSizes(t, m, g)
     if m is not None and g is not None:
         return BatchSizes(m * g * w, m, g)
     if t is not None:
-        m = _divide(t, w, f"{ranks} {w}", f"or set {_MICRO} and {_GAS}")
+        m = _divide(t, w, ranks_text, f"or set {_MICRO} and {_GAS}")
         return BatchSizes(t, m, 1)
     if m is not None:
         return BatchSizes(m * w, m, 1)
@@ -85,6 +90,22 @@ def resolve_batch_sizes(
         if g is not None
         else f"batch size is not set; set {_TRAIN} or {_MICRO}"
     )
+
+
+def _ranks_text(data: int, world_size: int, sequence: int, tensor: int) -> str:
+    """What the messages call the data ranks: the world size, or how it was divided."""
+    divisors = [
+        f"{name} {size}"
+        for name, size in (
+            ("sequence_parallel_size", sequence),
+            ("tensor_parallel.autotp_size", tensor),
+        )
+        if size > 1
+    ]
+    if not divisors:
+        return f"world size {data}"
+    over = divisors[0] if len(divisors) == 1 else f"({' x '.join(divisors)})"
+    return f"data-parallel size {data} (world size {world_size} / {over})"
 
 
 def _divide(total: int, divisor: int, divisor_text: str, other_fix: str) -> int:

@@ -56,6 +56,7 @@ __all__ = [
     "SGDParams",
     "SchedulerConfig",
     "TensorParallelConfig",
+    "TiledComputeConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",
@@ -210,6 +211,20 @@ class FP16Config(Section):
     min_loss_scale: PosFloat = 1.0
 
 
+class TiledComputeConfig(Section):
+    """`tiled_compute` (zerodp's key): a Hugging Face causal LM's MLPs and its logits and
+    loss computed a tile of tokens at a time (docs/sequence-parallel.md, [Note: tiled
+    compute]); `tile_tokens` 0: the model's hidden size."""
+
+    mlp: Bool = False
+    logits_loss: Bool = False
+    tile_tokens: NonNegInt = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.mlp or self.logits_loss
+
+
 class CompileConfig(Section):
     """`compile`: torch.compile the model (stages 0-2) or each of its blocks (stage 3).
 
@@ -269,10 +284,19 @@ class ZeroDPConfig(Section):
     communication_data_type: (
         Annotated[Literal["fp32", "fp16", "bf16"], choice(("fp32", "fp16", "bf16"))] | None
     ) = None
+    # Ulysses sequence parallelism (docs/sequence-parallel.md): each sequence split over this
+    # many consecutive ranks; with more than one, gradients are reduced in
+    # seq_parallel_communication_data_type (DeepSpeed's rule and default) instead of
+    # communication_data_type.
+    sequence_parallel_size: PosInt = 1
+    seq_parallel_communication_data_type: Annotated[
+        Literal["fp32", "fp16", "bf16"], choice(("fp32", "fp16", "bf16"))
+    ] = "fp32"
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     eigenvalue: EigenvalueConfig = Field(default_factory=EigenvalueConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    tiled_compute: TiledComputeConfig = Field(default_factory=TiledComputeConfig)
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
@@ -304,6 +328,64 @@ class ZeroDPConfig(Section):
             problems.append(mismatch)
         if problems:
             raise SectionRuleError(("tensor_parallel",), lambda k: "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _tiles_not_compiled(self) -> ZeroDPConfig:
+        if self.tiled_compute.enabled and self.compile.enabled:
+            raise SectionRuleError(
+                ("tiled_compute", "compile.enabled"),
+                lambda k: (
+                    f"config key '{k[0]}' turns tiling on with '{k[1]}' true: zerodp does not "
+                    f"compile tiled modules; set '{k[1]}' to false, or '{k[0]}.mlp' and "
+                    f"'{k[0]}.logits_loss' to false"
+                ),
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_parallel_composes(self) -> ZeroDPConfig:
+        size = self.sequence_parallel_size
+        if size == 1:
+            return self
+        zero = self.zero_optimization
+        refused = (
+            (
+                zero.mics_shard_size > 0,
+                "zero_optimization.mics_shard_size",
+                "shard groups",
+                "-1 (shard over all ranks)",
+            ),
+            (
+                zero.zero_hpz_partition_size > 1,
+                "zero_optimization.zero_hpz_partition_size",
+                "hpZ's secondary shards",
+                "1",
+            ),
+            (
+                self.compile.enabled,
+                "compile.enabled",
+                "torch.compile",
+                "false",
+            ),
+            (
+                self.eigenvalue.enabled,
+                "eigenvalue.enabled",
+                "the eigenvalue monitor",
+                "false",
+            ),
+        )
+        for on, key, feature, fix in refused:
+            if on:
+
+                def render(k: tuple[str, ...], feature: str = feature, fix: str = fix) -> str:
+                    return (
+                        f"config key '{k[0]}' is {size} with '{k[1]}': zerodp does not combine "
+                        f"sequence parallelism with {feature} yet; set '{k[1]}' to {fix}, or "
+                        f"'{k[0]}' to 1"
+                    )
+
+                raise SectionRuleError(("sequence_parallel_size", key), render)
         return self
 
     @property

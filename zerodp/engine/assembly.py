@@ -10,7 +10,9 @@
    optimizer parameters, or on whole tensors for those that read whole tensors:
    `zerodp.optim.tensorwise`), zerodp's optimizer around them, the LR scheduler;
 4. the monitors, the data loader and the post-training parts (generation,
-   weight streaming, state offload).
+   weight streaming, state offload);
+5. with `sequence_parallel_size` > 1, the sequence-parallel parts
+   (`zerodp.sequence`: attention switched, forward inputs split).
 
 An engine with nothing to train is an inference engine (see [Note: inference
 engine] in `zerodp.posttrain`): step 3 builds no optimizer of its own (one that
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.hooks import RootHooks
@@ -55,6 +58,7 @@ from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
+from zerodp.sequence import SequenceParallel, TiledCompute, TilingSettings
 from zerodp.tensor_parallel import TensorParallelism
 from zerodp.train_state import TrainState
 
@@ -95,6 +99,7 @@ class EngineParts:
     offload_storage: OffloadStorage | None
     posttrain: PostTraining
     tensor_parallel: TensorParallelism | None  # None: no tensor parallelism
+    sequence: SequenceParallel | None  # sequence_parallel_size > 1 only
 
 
 def assemble(
@@ -117,6 +122,7 @@ def assemble(
         shard_size=zero.mics_shard_size,
         secondary_size=zero.zero_hpz_partition_size,
         tensor_size=config.tensor_parallel.size,
+        sequence_size=config.sequence_parallel_size,
         timeout=timeout,
     )
     # Tensor parallelism splits the model before anything reads its parameters' shapes.
@@ -197,10 +203,17 @@ def assemble(
         device=device,
         gate=backward.gate,
     )
+    sequence = _sequence_parallel(module, comms)
+    # After the sequence hooks: its forward hooks run on the split inputs.
+    tiling = _tiled_compute(module, config, backward.params.module_hooks)
     # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
     handles: list[Removable] = [*backward.handles, *frozen, posttrain.offload]
     if tensor is not None:
         handles.append(tensor)
+    if sequence is not None:
+        handles.append(sequence)
+    if tiling is not None:
+        handles.append(tiling)
     return EngineParts(
         comm=comm,
         comms=comms,
@@ -243,6 +256,26 @@ def assemble(
         offload_storage=model.storage,
         posttrain=posttrain,
         tensor_parallel=tensor,
+        sequence=sequence,
+    )
+
+
+def _sequence_parallel(module: nn.Module, comms: GroupComms) -> SequenceParallel | None:
+    if comms.sequence is None:
+        return None
+    return SequenceParallel(module, comms.sequence, comms.dims)
+
+
+def _tiled_compute(
+    module: nn.Module, config: ZeroDPConfig, engine_hooks: list[RemovableHandle]
+) -> TiledCompute | None:
+    settings = config.tiled_compute
+    if not settings.enabled:
+        return None
+    return TiledCompute(
+        module,
+        TilingSettings(settings.mlp, settings.logits_loss, settings.tile_tokens),
+        engine_hooks,
     )
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.comm import Comm
+from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.unsupported_attributes import UNSUPPORTED_ENGINE_ATTRIBUTES
 from zerodp.errors import NonScalarLossError, UnsupportedFeatureError, UsageError
@@ -81,6 +82,7 @@ class DeepSpeedEngineMethods:
     module: nn.Module
     config: ZeroDPConfig
     comm: Comm
+    comms: GroupComms
     strategy: StageStrategy
     precision: PrecisionPolicy
     optimizer: ZeroOptimizer
@@ -215,13 +217,14 @@ class DeepSpeedEngineMethods:
 
     @property
     def dp_world_size(self) -> int:
-        """The data-parallel world size (every rank: zerodp is data parallel only)."""
-        return self.comm.world_size
+        """The data-parallel world size: the ranks reading different samples (world size /
+        (sequence_parallel_size x autotp_size)), as DeepSpeed counts it."""
+        return self.comms.dims.data_size
 
     @property
     def mp_world_size(self) -> int:
-        """The model-parallel world size: 1 (no tensor or pipeline parallelism)."""
-        return 1
+        """The model-parallel world size: the tensor-parallel ranks (no pipeline stages)."""
+        return self.comms.dims.tensor_size
 
     def get_data_parallel_rank(self) -> int:
         return self.comm.rank

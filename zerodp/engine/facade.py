@@ -115,6 +115,8 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self._offload_storage = parts.offload_storage
         self.posttrain = parts.posttrain
         self.tensor_parallel = parts.tensor_parallel  # None without tensor parallelism
+        # sequence_parallel_size > 1: the sequence group and its parts (docs/sequence-parallel.md)
+        self.sequence_parallel = parts.sequence
         self._handles: list[Removable] = list(parts.handles)
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         # Each backward is an activity the ranks agree on ([Note: agreeing before a collective]).
@@ -306,6 +308,16 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
     def world_size(self) -> int:
         """The number of data-parallel ranks."""
         return self.comm.world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """D: the ranks that read different samples (world size / sequence_parallel_size)."""
+        return self.comms.dims.data_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of the D parts of the data this rank reads (the same in a sequence group)."""
+        return self.comms.dims.data_index
 
     @property
     def local_rank(self) -> int:

@@ -43,6 +43,7 @@ from zerodp.comm.join import (
     join_enabled,
     notify_join,
 )
+from zerodp.comm.subgroups import GroupComms
 from zerodp.errors import UsageError
 
 
@@ -58,6 +59,7 @@ class JoinMethods(Joinable):
 
     # Provided by ZeroEngine.
     comm: Comm
+    comms: GroupComms
     device: torch.device
     reducer: GradientReducer
     tensor_parallel: Any  # None without tensor parallelism
@@ -87,7 +89,7 @@ class JoinMethods(Joinable):
         run out; see [Note: joining uneven inputs]. The same as torch's
         `Join([engine], ...)`, with DDP's arguments and defaults.
         """
-        self._refuse_join_with_tensor_parallelism()
+        self._refuse_join_with_shared_batches()
         return Join(
             [self],
             enable=enable,
@@ -99,7 +101,7 @@ class JoinMethods(Joinable):
 
     def join_hook(self, **kwargs: Any) -> CallbackJoinHook:
         """What this rank does once out of batches (called by torch's `Join`)."""
-        self._refuse_join_with_tensor_parallelism()
+        self._refuse_join_with_shared_batches()
         self._join_divide_by_initial_world_size = bool(
             kwargs.get("divide_by_initial_world_size", True)
         )
@@ -113,15 +115,24 @@ class JoinMethods(Joinable):
     def join_process_group(self) -> Any:
         return self.comm.group
 
-    def _refuse_join_with_tensor_parallelism(self) -> None:
-        """A shadow round of a tensor group would need every rank of the group to run out
-        at once; not built yet. Every rank calls join, so every rank raises."""
+    def _refuse_join_with_shared_batches(self) -> None:
+        """A shadow round of a tensor or sequence group would need every rank of the group
+        to run out at once; not built yet. Every rank calls join, so every rank raises."""
         if self.tensor_parallel is not None:
             raise UsageError(
                 "engine.join() with tensor_parallel.autotp_size > 1: joining uneven inputs "
                 "does not compose with tensor parallelism yet; give every rank the same "
                 "number of batches (the loader zerodp.initialize returns does), or set "
                 "autotp_size to 1"
+            )
+        sequence_size = self.comms.dims.sequence_size
+        if sequence_size > 1:
+            raise UsageError(
+                f"engine.join() with sequence_parallel_size {sequence_size}: zerodp does not "
+                "combine joining uneven inputs with sequence parallelism yet (the ranks of a "
+                "sequence group read the same batches, so they run out together); give every "
+                "data-parallel rank the same number of batches, or set sequence_parallel_size "
+                "to 1"
             )
 
     # -- rounds ------------------------------------------------------------------------

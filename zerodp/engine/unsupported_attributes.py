@@ -33,7 +33,12 @@ _PLACEMENT = (
     "the engine's device and dtype are fixed at initialize: choose the precision with the "
     "config's bf16 / fp16 blocks and the device with ZERODP_DEVICE"
 )
-_PARALLEL = "zerodp has no tensor or sequence parallelism (it is data parallel only)"
+_PARALLEL = (
+    "zerodp's tensor and sequence parallelism are set in the config "
+    '("tensor_parallel": {"autotp_size": T}, "sequence_parallel_size": S) and keep their '
+    "groups inside the engine (docs/tensor-parallel.md, docs/sequence-parallel.md); it has "
+    "no Megatron-style mpu or parallel-group getters"
+)
 
 UNSUPPORTED_ENGINE_ATTRIBUTES: dict[str, str] = {
     "flops_profiler": _FLOPS,

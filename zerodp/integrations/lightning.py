@@ -74,7 +74,15 @@ class ZeroDPStrategy(DDPStrategy):
     strategy_name = "zerodp"
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
-        read_config(config)  # a bad path or type fails here, not in fit()
+        data = read_config(config)  # a bad path or type fails here, not in fit()
+        sequence = data.get("sequence_parallel_size", 1)
+        if sequence != 1:
+            raise ConfigError(
+                f"ZeroDPStrategy with sequence_parallel_size {sequence}: Lightning's loaders "
+                "shard by process, not by data rank, so the ranks of a sequence group would "
+                "get different batches; use ZeroDPTrainer or a plain loop "
+                "(docs/sequence-parallel.md), or set sequence_parallel_size to 1"
+            )
         super().__init__(**kwargs)
         self.zerodp_config = config
         self.engine: zerodp.ZeroEngine | None = None

@@ -1,11 +1,12 @@
-"""The Trainer's data with tensor parallelism: every rank of a tensor group gets the same batch.
+"""The Trainer's data when ranks share a batch: every rank of a tensor or sequence group gets it.
 
-With `tensor_parallel.autotp_size` T > 1 the T ranks of a tensor group compute
-on the same samples, so the Trainer's data loaders (prepared by Accelerate)
-are split over the world / T data ranks, each rank reading the part of its data
-index (`ParallelDims.data_index`, the rule the engine's own loader follows),
-and the Trainer's batch accounting (`get_tp_size()`: the total batch size, the
-token count a loss is normalised by) counts T ranks per batch.
+With `tensor_parallel.autotp_size` T > 1 or `sequence_parallel_size` S > 1, the
+T x S ranks of a tensor-by-sequence block compute on the same samples, so the
+Trainer's data loaders (prepared by Accelerate) are split over the
+world / (T x S) data ranks, each rank reading the part of its data index
+(`ParallelDims.data_index`, the rule the engine's own loader follows), and the
+Trainer's batch accounting (`get_tp_size()`: the total batch size, the token
+count a loss is normalised by) counts T x S ranks per batch.
 """
 
 from __future__ import annotations
@@ -19,31 +20,40 @@ from zerodp.parallel import ParallelDims
 
 @dataclass(frozen=True)
 class TrainerDataRanks:
-    """T, and this rank's place among the data ranks."""
+    """T and S, and this rank's place among the data ranks."""
 
     tensor_size: int
+    sequence_size: int
     data_size: int
     data_index: int
 
     @classmethod
-    def of(cls, zerodp_config: Any, world_size: int, rank: int) -> TrainerDataRanks:
-        """From the config's `tensor_parallel.autotp_size` (checked by the engine later)."""
+    def of(
+        cls, zerodp_config: Any, world_size: int, rank: int, sequence_size: int = 1
+    ) -> TrainerDataRanks:
+        """From the config's `tensor_parallel.autotp_size` and `sequence_size` (both checked
+        by the engine later, which names the fix)."""
         block = read_config(zerodp_config).get("tensor_parallel")
         size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
         tensor = size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
-        if world_size % tensor != 0:  # the engine refuses it with the fix in the message
-            return cls(1, world_size, rank)
-        dims = ParallelDims.build(world_size, rank, tensor_size=tensor)
-        return cls(tensor, dims.data_size, dims.data_index)
+        if world_size % (tensor * sequence_size) != 0:  # the engine refuses it
+            return cls(1, 1, world_size, rank)
+        dims = ParallelDims.build(world_size, rank, sequence_size=sequence_size, tensor_size=tensor)
+        return cls(tensor, sequence_size, dims.data_size, dims.data_index)
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """The ranks that compute on one batch (T x S)."""
+        return self.tensor_size * self.sequence_size
 
 
 def route_data_loaders(accelerator: Any, ranks: TrainerDataRanks) -> None:
     """Make `accelerator.prepare_data_loader` split data over the data ranks, not the world.
 
     The same call Accelerate makes (its own settings), with the data ranks' count and this
-    rank's data index; a no-op without tensor parallelism.
+    rank's data index; a no-op when every rank reads its own batches.
     """
-    if ranks.tensor_size == 1:
+    if ranks.ranks_per_batch == 1:
         return
     from accelerate.data_loader import prepare_data_loader
 

@@ -19,12 +19,21 @@ class SubclassFactory:
     `taken_over` names the methods `zerodp_base` defines in place of
     `root`'s: an override of one of them in `cls` that does not call
     `super()` would bypass zerodp, and is refused with a `TypeError`.
+    `outermost` names methods the made class wraps around `cls`'s own: the
+    made class's `name` calls `self._around_<name>(cls's name, *args, **kwargs)`.
     """
 
-    def __init__(self, root: type, zerodp_base: type, taken_over: Sequence[str]) -> None:
+    def __init__(
+        self,
+        root: type,
+        zerodp_base: type,
+        taken_over: Sequence[str],
+        outermost: Sequence[str] = (),
+    ) -> None:
         self.root = root
         self.zerodp_base = zerodp_base
         self.taken_over = tuple(taken_over)
+        self.outermost = tuple(outermost)
         self._made: dict[type, type] = {root: zerodp_base}
 
     def subclass(self, trainer_class: Any) -> Any:
@@ -54,6 +63,8 @@ class SubclassFactory:
                 )
                 super().__init__(*args, **kwargs)
 
+        for method in self.outermost:
+            setattr(Made, method, _around(Made, method))
         name = f"ZeroDP{trainer_class.__name__}"
         Made.__name__ = Made.__qualname__ = name
         Made.__module__ = self.zerodp_base.__module__
@@ -82,6 +93,15 @@ class SubclassFactory:
                         "ZeroDPTrainer and write that method for zerodp"
                     )
                 break
+
+
+def _around(made: type, name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = getattr(super(made, self), name)
+        return getattr(self, f"_around_{name}")(inner, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
 
 
 def _training_arguments(trainer_class: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

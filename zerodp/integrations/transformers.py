@@ -95,10 +95,15 @@ from zerodp.integrations.trainer_config import (
     refuse_unsupported_arguments,
     trainer_config,
 )
-from zerodp.integrations.trainer_data import TrainerDataRanks, route_data_loaders
+from zerodp.integrations.trainer_data import TrainerDataRanks
 from zerodp.integrations.trainer_factory import SubclassFactory
 from zerodp.integrations.trainer_optimizers import TrainerOptimizers
 from zerodp.integrations.trainer_saving import TrainerSaving
+from zerodp.integrations.trainer_sequence import (
+    TrainerSequence,
+    refuse_accelerate_parallelism,
+    sequence_size_of,
+)
 from zerodp.integrations.trainer_views import EngineOptimizer, EngineScheduler
 
 # The Trainer's own methods this subclass replaces; without one of them the Trainer would
@@ -130,7 +135,7 @@ if _missing:  # pragma: no cover - depends on the installed transformers
 __all__ = ["EngineOptimizer", "EngineScheduler", "ZeroDPTrainer", "with_zerodp"]
 
 
-class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
+class ZeroDPTrainer(TrainerSequence, TrainerOptimizers, TrainerSaving):
     """A `transformers.Trainer` whose model is trained by a zerodp engine.
 
     Takes the Trainer's arguments plus `zerodp_config`: a DeepSpeed-style
@@ -138,7 +143,9 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
     TrainingArguments (see `zerodp.integrations.trainer_config`). Launch with
     torchrun, one process per device. `self.engine` is the `ZeroEngine` once
     `train()` has built it. The optimizer and scheduler it hands zerodp come
-    from `TrainerOptimizers`; checkpoints and `save_model` are `TrainerSaving`'s.
+    from `TrainerOptimizers`; checkpoints and `save_model` are `TrainerSaving`'s; with
+    `"sequence_parallel_size"` in the config, data, counts and loss are `TrainerSequence`'s
+    ([Note: the Trainer and sequence parallelism]).
     """
 
     def __init__(
@@ -178,9 +185,14 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
                 'config, e.g. {"zero_optimization": {"stage": 3}}, with "auto" where the '
                 "TrainingArguments decide)"
             )
-        read_config(zerodp_config)  # a bad path or type fails now, not at train()
+        data = read_config(zerodp_config)  # a bad path or type fails now, not at train()
         refuse_unsupported_arguments(args)
+        refuse_accelerate_parallelism(
+            getattr(args, "parallelism_config", None), "TrainingArguments"
+        )
         self.zerodp_config = zerodp_config
+        self._sequence_size = sequence_size_of(data)
+        self._in_sequence_loss = False
 
     # -- what the Trainer would otherwise do to the model --------------------------------
 
@@ -194,7 +206,7 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
         super().create_accelerator_and_postprocess()
         accelerator = self.accelerator
         self._data_ranks = TrainerDataRanks.of(
-            self.zerodp_config, self.args.world_size, self.args.process_index
+            self.zerodp_config, self.args.world_size, self.args.process_index, self._sequence_size
         )
         prepare_model = accelerator.prepare_model
 
@@ -209,12 +221,7 @@ class ZeroDPTrainer(TrainerOptimizers, TrainerSaving):
 
         accelerator.prepare_model = prepare_model_unless_ours
         accelerator.backward = self._engine_backward
-        route_data_loaders(accelerator, self._data_ranks)  # a tensor group shares its batches
-
-    def get_tp_size(self) -> int:
-        """The ranks that share each batch (`tensor_parallel.autotp_size`), for the Trainer's
-        batch accounting."""
-        return self._data_ranks.tensor_size
+        self._shard_loaders_by_data_rank()  # a tensor or sequence group shares its batches
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """zerodp moves the model to its device (and keeps stage 3 parameters sharded)."""
@@ -338,7 +345,10 @@ _TAKEN_OVER = (
     "training_step",
     "save_model",
 )
-_classes = SubclassFactory(Trainer, ZeroDPTrainer, _TAKEN_OVER)
+# Run outermost in the made class, around the subclass's own (TRL's compute_loss does not call
+# super()): see [Note: the Trainer and sequence parallelism].
+_OUTERMOST = ("compute_loss",)
+_classes = SubclassFactory(Trainer, ZeroDPTrainer, _TAKEN_OVER, outermost=_OUTERMOST)
 
 
 def with_zerodp(trainer_class: type[Trainer]) -> type[ZeroDPTrainer]:

@@ -17,6 +17,9 @@ from zerodp.parallel.dims import (
     TENSOR,
     WORLD,
     ParallelDims,
+    SequenceSlice,
+    composition_problems,
+    data_parallel_size,
     size_problems,
 )
 
@@ -30,5 +33,8 @@ __all__ = [
     "TENSOR",
     "WORLD",
     "ParallelDims",
+    "SequenceSlice",
+    "composition_problems",
+    "data_parallel_size",
     "size_problems",
 ]

@@ -38,6 +38,10 @@ The rules, written here only:
    model's values are taken from the first rank of each slice group
    (`same_values_label`); a tensor-parallel model is made whole and equal on
    every rank before it is split, so the slices are those of one model.
+5. Tokens: a sequence of L tokens is padded to S x ceil(L / S) and split into S
+   equal, consecutive slices; sequence rank s holds slice s (`sequence_slice`).
+   The batch sizes of the config count data ranks, not sequence or tensor ranks
+   (`data_parallel_size`), as DeepSpeed's do.
 """
 
 from __future__ import annotations
@@ -155,6 +159,10 @@ class ParallelDims:
     def data_index(self) -> int:
         """Which samples this rank reads: the same for a whole sequence and tensor group."""
         return self.replica_index * self.shard_data_size + self.shard_rank // self.sequence_size
+
+    def sequence_slice(self, length: int) -> SequenceSlice:
+        """The tokens of a `length`-token sequence this rank holds (rule 5)."""
+        return SequenceSlice.of(length, self.sequence_size, self.sequence_rank)
 
     # -- groups --------------------------------------------------------------------------
 
@@ -278,6 +286,59 @@ class ParallelDims:
         if tensor_split and self.tensor_size > 1:
             groups.append(TENSOR)
         return tuple(groups)
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence rank's tokens: [start, stop) of a sequence padded to `padded_length`.
+
+    Rule 5 of [Note: parallel dimensions]: every rank holds the same number of tokens
+    (ceil(length / S)), so the all-to-alls around attention exchange equal blocks; the
+    padding, at most S - 1 tokens, is at the end of the sequence.
+    """
+
+    length: int
+    padded_length: int
+    start: int
+    stop: int
+
+    @classmethod
+    def of(cls, length: int, size: int, rank: int) -> SequenceSlice:
+        if length < 1:
+            raise ValueError(f"a sequence needs at least one token, got length {length}")
+        local = -(-length // size)
+        return cls(length, local * size, rank * local, (rank + 1) * local)
+
+    @property
+    def local_length(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def padding(self) -> int:
+        return self.padded_length - self.length
+
+
+def data_parallel_size(world_size: int, sequence_size: int = 1, tensor_size: int = 1) -> int:
+    """D: the ranks that read different samples, which the config's batch sizes count.
+
+    Raises `ConfigError` naming the fix when the sequence and tensor sizes do not divide
+    the world (rule 5 of [Note: parallel dimensions]).
+    """
+    problems = size_problems(world_size, -1, sequence_size, tensor_size)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return world_size // (sequence_size * tensor_size)
+
+
+def composition_problems(sequence_size: int, tensor_size: int) -> list[str]:
+    """Dimensions whose sizes fit but that zerodp does not combine yet (each names the fix)."""
+    if sequence_size > 1 and tensor_size > 1:
+        return [
+            f"sequence_parallel_size {sequence_size} with tensor_parallel.autotp_size "
+            f"{tensor_size}: zerodp does not combine sequence and tensor parallelism yet; set "
+            "one of them to 1"
+        ]
+    return []
 
 
 def size_problems(

@@ -90,11 +90,6 @@ TOP_LEVEL: tuple[Ignored, ...] = (
         "DeepSpeed only uses it for a Tensor Core alignment warning",
     ),
     Ignored(
-        "seq_parallel_communication_data_type",
-        STR,
-        "zerodp has no sequence parallelism",
-    ),
-    Ignored(
         "use_data_before_expert_parallel_",
         BOOL,
         "zerodp has no expert parallelism",
