@@ -89,8 +89,8 @@ class Case:
         }
         if optimizer is not None:
             config["optimizer"] = optimizer
-        if self.clip is not None:
-            config["gradient_clipping"] = self.clip
+        # None: no clipping, written out (DeepSpeed's default, which zerodp follows, is 1.0).
+        config["gradient_clipping"] = 0.0 if self.clip is None else self.clip
         if self.dtype == "bf16":
             config["bf16"] = {"enabled": True}
         elif self.dtype == "fp16":

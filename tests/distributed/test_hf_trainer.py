@@ -149,7 +149,10 @@ def config_for(case: Case, workdir: str) -> Any:
     if case.config != "file":
         return copy.deepcopy(case.config)
     path = Path(workdir) / "ds_config.json"
-    path.write_text(json.dumps(DEEPSPEED_STYLE))
+    # Every rank writes the same file: atomically, so that no rank reads another's half-write.
+    partial = path.with_name(f"ds_config.{os.getpid()}.partial")
+    partial.write_text(json.dumps(DEEPSPEED_STYLE))
+    os.replace(partial, path)
     return str(path)
 
 
