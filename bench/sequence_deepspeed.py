@@ -1,24 +1,32 @@
-"""DeepSpeed's Ulysses against one process on the whole sequences: its gradient and grad norm.
+"""DeepSpeed's Ulysses and zerodp's against one process on the whole sequences: gradient, norm.
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 \\
         bench/sequence_deepspeed.py [--stages 0 1 2 3]
 
-Backs what docs/sequence-parallel.md says DeepSpeed 0.19.8 does. The model is a tiny Llama
-(sdpa, 4 query heads, 2 key/value heads, fp32, 16 tokens per row); every rank takes the same
-two rows (world size 2: S = 2, D = 1; with 4 ranks, S = 2 x D = 2, replica d its own rows).
-The reference, computed first in each process: a plain copy of the model on every replica's
-whole rows, the mean loss over replicas, backward. Then, per ZeRO stage, DeepSpeed as its
-tutorial for HF Transformers writes it (`UlyssesSPAttentionHF.register_with_transformers`,
+Backs what docs/sequence-parallel.md says DeepSpeed 0.19.8 and zerodp do. The model is a tiny
+Llama (sdpa, 4 query heads, 2 key/value heads, fp32, 16 tokens per row); every rank takes the
+same two rows (world size 2: S = 2, D = 1; with 4 ranks, S = 2 x D = 2, replica d its own
+rows). The reference, computed first in each process: a plain copy of the model on every
+replica's whole rows, the mean loss over replicas, backward. Then, per ZeRO stage, DeepSpeed as
+its tutorial for HF Transformers writes it (`UlyssesSPAttentionHF.register_with_transformers`,
 `sequence_parallel_size` in the config, the labels shifted and the rows split as its
 `UlyssesSPDataLoaderAdapter` does, the loss aggregated with the differentiable all-gather of
 the tutorial, `engine.backward`), and what it hands back: each parameter's full gradient
 (`deepspeed.utils.safe_get_full_grad`) and, after `engine.step()`, `get_global_grad_norm()`.
 
-Printed per stage: the gradient as a multiple of the reference's (the least-squares factor
-<g, g_ref> / <g_ref, g_ref>), how far the gradient is from that multiple (relative), the grad
-norm's ratio to the reference's, and the batch size DeepSpeed derived (train_batch_size for a
-micro batch of 2 and no accumulation: it counts world size / S ranks). DeepSpeed's comm op
-build is skipped as in bench/_deepspeed.py.
+zerodp runs in the same processes and the same default process group, per ZeRO stage, before
+DeepSpeed's registration replaces transformers' "sdpa": `zerodp.initialize` with
+`sequence_parallel_size` in the config, the same model init, every rank of a sequence group
+handed its replica's whole rows, and the user's plain loop (`loss = engine(input_ids=...,
+labels=...).loss`, `engine.backward(loss)`, `engine.step()`); read the same way (each
+parameter's full gradient from `zerodp.utils.safe_get_full_grad` before the step,
+`get_global_grad_norm()` after it), then `engine.destroy()`.
+
+Printed per stage, for DeepSpeed and zerodp side by side: the gradient as a multiple of the
+reference's (the least-squares factor <g, g_ref> / <g_ref, g_ref>), how far the gradient is
+from that multiple (relative), the grad norm's ratio to the reference's; and the batch size
+DeepSpeed derived (train_batch_size for a micro batch of 2 and no accumulation: it counts
+world size / S ranks). DeepSpeed's comm op build is skipped as in bench/_deepspeed.py.
 
 `--aggregation all_reduce` sums the token-weighted losses with torch's differentiable
 all-reduce instead, the workaround the tutorial names for the all-gather's backward: on gloo
@@ -142,8 +150,42 @@ def deepspeed_stage(
     return result
 
 
-def compare(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, float]:
-    g = torch.cat([got[n].flatten() for n in expected])
+def zerodp_stage(model: Any, stage: int, replica: int) -> dict[str, Any]:
+    """zerodp on the same rows with the user's plain loop; read as `deepspeed_stage` reads."""
+    import zerodp
+    from zerodp.utils import safe_get_full_grad
+
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+        "sequence_parallel_size": SEQUENCE,
+        "steps_per_print": 1000,
+    }
+    engine, _, _, _ = zerodp.initialize(model=model, config=config)
+    try:
+        ids = rows(replica)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+        engine.step()
+        norm = engine.get_global_grad_norm()
+    finally:
+        engine.destroy()
+    return {"grads": grads, "norm": None if norm is None else float(norm)}
+
+
+def norm_ratio(norm: float | None, expected: float) -> str:
+    return "not reported" if norm is None else f"{norm / expected:.4f}"
+
+
+def compare(
+    got: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor]
+) -> tuple[float, float]:
+    """The least-squares factor of `got` on `expected`, and the relative rest (None: zero)."""
+    g = torch.cat(
+        [(torch.zeros_like(e) if got[n] is None else got[n]).flatten() for n, e in expected.items()]
+    )
     e = torch.cat([expected[n].flatten() for n in expected])
     factor = float(g @ e / (e @ e))
     off = float((g - factor * e).norm() / e.norm())
@@ -167,7 +209,8 @@ def main() -> None:
     model = build_model()
     expected = reference_gradients(model, replicas)
     expected_norm = float(torch.cat([g.flatten() for g in expected.values()]).norm())
-    # Replaces transformers' "sdpa" for the rest of the process: after the reference.
+    # zerodp first: DeepSpeed's registration below replaces transformers' "sdpa" for good.
+    ours = {stage: zerodp_stage(copy.deepcopy(model), stage, replica) for stage in args.stages}
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation="sdpa",
@@ -177,20 +220,23 @@ def main() -> None:
         seq_length_is_variable=True,
     )
     lines = [
-        f"DeepSpeed {deepspeed.__version__}, world size {world} (sequence_parallel_size "
-        f"{SEQUENCE} x {replicas} data-parallel), fp32, the tutorial's loss aggregation "
-        f"({args.aggregation})",
-        "| ZeRO stage | gradient / reference | off that multiple | grad norm / reference "
-        "| train_batch_size |",
-        "|---|---|---|---|---|",
+        f"DeepSpeed {deepspeed.__version__} and zerodp, world size {world} "
+        f"(sequence_parallel_size {SEQUENCE} x {replicas} data-parallel), fp32, DeepSpeed with "
+        f"the tutorial's loss aggregation ({args.aggregation}), zerodp with the plain loop",
+        "| ZeRO stage | gradient / reference: DeepSpeed | zerodp | off that multiple: DeepSpeed "
+        "| zerodp | grad norm / reference: DeepSpeed | zerodp | DeepSpeed's train_batch_size |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for stage in args.stages:
         result = deepspeed_stage(copy.deepcopy(model), stage, replica, mpu, args.aggregation)
         factor, off = compare(result["grads"], expected)
-        norm = result["norm"]
-        norm_ratio = "not reported" if norm is None else f"{norm / expected_norm:.4f}"
+        our_factor, our_off = compare(ours[stage]["grads"], expected)
+        norms = [norm_ratio(r["norm"], expected_norm) for r in (result, ours[stage])]
         batch = result["train_batch_size"]
-        lines.append(f"| {stage} | {factor:.4f} | {off:.1e} | {norm_ratio} | {batch:g} |")
+        lines.append(
+            f"| {stage} | {factor:.4f} | {our_factor:.4f} | {off:.1e} | {our_off:.1e} "
+            f"| {norms[0]} | {norms[1]} | {batch:g} |"
+        )
     if dist.get_rank() == 0:
         print("\n".join(lines))
     dist.destroy_process_group()
