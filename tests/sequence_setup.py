@@ -224,9 +224,18 @@ def close(
     return float((actual_t - expected_t).abs().max())
 
 
-def check_weights(model: torch.nn.Module, reference: Reference, where: str) -> float:
+def check_weights(
+    model: torch.nn.Module, reference: Reference, where: str, engine: Any = None
+) -> float:
     worst = 0.0
     tolerance = MIXED_TOLERANCE.get(reference.case.dtype, TOLERANCE)
+    if engine is not None and engine.tensor_parallel is not None:
+        # Tensor-parallel slices: the engine's whole tensors under the model's names.
+        whole = engine.state_dict()
+        for index, (name, ref_param) in enumerate(reference.model.named_parameters()):
+            expected = reference.full_param(index, ref_param)
+            worst = max(worst, close(whole[name], expected, f"{where}: {name}", tolerance))
+        return worst
     pairs = zip(model.named_parameters(), reference.model.named_parameters(), strict=True)
     for index, ((name, param), (_, ref_param)) in enumerate(pairs):
         full = utils.safe_get_full_fp32_param(param)
@@ -259,7 +268,7 @@ def train_and_compare(
         norm = engine.get_global_grad_norm()
         where = f"{case}, step {step}"
         worst["norm"] = max(worst["norm"], close(norm, expected_norm, f"{where}: norm", tolerance))
-        worst["weights"] = max(worst["weights"], check_weights(model, reference, where))
+        worst["weights"] = max(worst["weights"], check_weights(model, reference, where, engine))
     return worst
 
 
@@ -284,6 +293,7 @@ def run_case(case: Case) -> dict[str, Any]:
         "rank": dist.get_rank(),
         "layer_lengths": sorted(lengths.seen),
         "sequence_rank": 0 if case.sequence == 1 else engine.sequence_parallel.rank,
+        "data_parallel_size": engine.data_parallel_size,
         **worst,
     }
 

@@ -68,6 +68,20 @@ WORLD_4 = [
     Case(3, optimizer="sgd", padding=True),
     Case(2, sequence=4, clip=0.05, masked_prompt=True, attention="eager", padding=True),
     Case(0, sequence=4, gas=2, optimizer="sgd", packed=True),
+    # Sequence x tensor parallelism (S = 2 x T = 2, one data rank): Ulysses over each tensor
+    # slice's heads, with tiling, clipping and accumulation.
+    Case(3, gas=2, clip=0.05, masked_prompt=True, extra={"tensor_parallel": {"autotp_size": 2}}),
+    Case(2, gas=2, clip=0.05, extra={"tensor_parallel": {"autotp_size": 2}}),
+    Case(0, optimizer="sgd", packed=True, extra={"tensor_parallel": {"autotp_size": 2}}),
+    Case(
+        1,
+        optimizer="sgd",
+        padding=True,
+        extra={
+            "tensor_parallel": {"autotp_size": 2},
+            "tiled_compute": {"mlp": True, "logits_loss": True, "tile_tokens": 4},
+        },
+    ),
 ]
 
 
@@ -75,8 +89,13 @@ def check_results(cases: list[Case], results: list[list[dict[str, Any]]]) -> Non
     for rank_results in results:
         for case, result in zip(cases, rank_results, strict=True):
             local = -(-case.length // case.sequence)
+            tensor = case.extra.get("tensor_parallel", {}).get("autotp_size", 1)
             assert result["layer_lengths"] == [local], (case, result)
-            assert result["sequence_rank"] == result["rank"] % case.sequence, (case, result)
+            # rank = (d * S + s) * T + t: the sequence rank is the middle coordinate.
+            sequence_rank = (result["rank"] // tensor) % case.sequence
+            assert result["sequence_rank"] == sequence_rank, (case, result)
+            world = len(results)
+            assert result["data_parallel_size"] == world // (case.sequence * tensor), result
     print("\n".join(f"{c}: {r}" for c, r in zip(cases, results[0], strict=True)))
 
 

@@ -19,7 +19,6 @@ from zerodp.parallel import (
     TENSOR,
     WORLD,
     ParallelDims,
-    composition_problems,
     data_parallel_size,
 )
 
@@ -198,8 +197,14 @@ def test_the_batch_sizes_count_data_ranks() -> None:
         data_parallel_size(8, 3)
 
 
-def test_sequence_and_tensor_parallelism_together_are_refused_naming_both() -> None:
-    assert composition_problems(2, 1) == composition_problems(1, 2) == []
-    (problem,) = composition_problems(2, 2)
-    assert "sequence_parallel_size 2" in problem and "tensor_parallel.autotp_size 2" in problem
-    assert "set one of them to 1" in problem
+def test_sequence_and_tensor_dimensions_compose() -> None:
+    """S x T: a tensor group is T consecutive ranks, a sequence group the S ranks with the same
+    tensor rank inside one data rank's block, and a shard group every data and sequence rank
+    holding the same tensor rank."""
+    dims = ParallelDims.build(8, 5, sequence_size=2, tensor_size=2)  # 2 data ranks
+    assert dims.own_group(TENSOR) == [4, 5]
+    assert dims.own_group(SEQUENCE) == [5, 7]
+    assert dims.own_group(SHARD) == [1, 3, 5, 7]
+    assert (dims.data_size, dims.data_index) == (2, 1)
+    assert dims.gradient_divisor(SHARD) == 2  # the data ranks of the shard group
+    assert dims.norm_sum_groups(sharded=True, tensor_split=True) == (SHARD, TENSOR)

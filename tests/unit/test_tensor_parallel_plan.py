@@ -192,29 +192,6 @@ def test_a_tied_weight_split_on_one_side_only_is_refused() -> None:
     assert torch.equal(model.embed.weight, model.head.weight)  # nothing changed by planning
 
 
-class _Agreeing:
-    """A one-rank stand-in for the world `Comm`: an error is raised as every rank would."""
-
-    def raise_if_any_failed(self, error: BaseException | None) -> None:
-        if error is not None:
-            raise error
-
-
-def test_tensor_and_sequence_parallelism_together_are_refused_for_now() -> None:
-    from zerodp.comm.subgroups import GroupComms
-    from zerodp.config.tensor_parallel import TensorParallelConfig
-    from zerodp.parallel import ParallelDims
-    from zerodp.tensor_parallel import split_for_engine
-
-    dims = ParallelDims.build(4, 0, sequence_size=2, tensor_size=2)
-    world: Any = _Agreeing()
-    comms = GroupComms(dims, 4, world, world)
-    with pytest.raises(ConfigError, match="tensor and sequence parallelism do not compose yet"):
-        split_for_engine(
-            build_llama(), TensorParallelConfig(autotp_size=2), comms, torch.device("cpu")
-        )
-
-
 _FAMILY = {
     "hidden_size": 32,
     "intermediate_size": 64,

@@ -42,7 +42,6 @@ from zerodp.parallel import (
     SLICE,
     TENSOR,
     ParallelDims,
-    composition_problems,
 )
 
 WITHIN_NODE = "within a node"
@@ -156,7 +155,6 @@ def group_comms(
         # A shard group spreads over shard_size x tensor_size consecutive ranks.
         span = dims.shard_size * dims.tensor_size
         problems = check_sizes(world_size, node, span, secondary_size)
-        problems += composition_problems(sequence_size, tensor_size)
         if problems:
             raise ConfigError("; ".join(problems))
         node_size = node.ranks

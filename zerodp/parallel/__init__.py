@@ -18,7 +18,6 @@ from zerodp.parallel.dims import (
     WORLD,
     ParallelDims,
     SequenceSlice,
-    composition_problems,
     data_parallel_size,
     size_problems,
 )
@@ -34,7 +33,6 @@ __all__ = [
     "WORLD",
     "ParallelDims",
     "SequenceSlice",
-    "composition_problems",
     "data_parallel_size",
     "size_problems",
 ]

@@ -330,17 +330,6 @@ def data_parallel_size(world_size: int, sequence_size: int = 1, tensor_size: int
     return world_size // (sequence_size * tensor_size)
 
 
-def composition_problems(sequence_size: int, tensor_size: int) -> list[str]:
-    """Dimensions whose sizes fit but that zerodp does not combine yet (each names the fix)."""
-    if sequence_size > 1 and tensor_size > 1:
-        return [
-            f"sequence_parallel_size {sequence_size} with tensor_parallel.autotp_size "
-            f"{tensor_size}: zerodp does not combine sequence and tensor parallelism yet; set "
-            "one of them to 1"
-        ]
-    return []
-
-
 def size_problems(
     world_size: int, shard_size: int, sequence_size: int, tensor_size: int
 ) -> list[str]:

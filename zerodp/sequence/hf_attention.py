@@ -207,11 +207,20 @@ class SwitchedAttention:
         config = _text_config(model)
         original = config._attn_implementation or "sdpa"
         heads = getattr(config, "num_attention_heads", None)
-        if isinstance(heads, int) and heads % group.size != 0:
+        # With tensor parallelism each rank holds heads / T of them, and those are what its
+        # sequence group splits.
+        tensor = group.dims.tensor_size
+        if isinstance(heads, int) and heads % (group.size * tensor) != 0:
+            held = (
+                f"the model's {heads} attention heads"
+                if tensor == 1
+                else f"the {heads // tensor} attention heads each tensor-parallel rank holds "
+                f"({heads} / tensor_parallel.autotp_size {tensor})"
+            )
             raise UsageError(
-                f"sequence_parallel_size {group.size} does not divide the model's {heads} "
-                "attention heads (each rank attends with heads / sequence_parallel_size of "
-                f"them); choose a sequence_parallel_size that divides {heads}"
+                f"sequence_parallel_size {group.size} does not divide {held} (each rank "
+                "attends with heads / sequence_parallel_size of them); choose a "
+                "sequence_parallel_size that divides them"
             )
         if getattr(config, "is_causal", True) is False:
             raise UsageError(

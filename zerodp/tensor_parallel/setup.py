@@ -44,12 +44,6 @@ def split_for_engine(
     error: ConfigError | None = None
     planned: SplitPlan | None = None
     try:
-        if dims.splits_sequences:
-            raise ConfigError(
-                f"tensor_parallel.autotp_size {dims.tensor_size} with sequence_parallel_size "
-                f"{dims.sequence_size}: tensor and sequence parallelism do not compose yet; set "
-                "one of them to 1"
-            )
         planned = plan_split(module, read_plan(module, config.plan), dims.tensor_size)
     except ConfigError as caught:
         error = caught
