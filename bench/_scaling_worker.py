@@ -18,7 +18,6 @@ import json
 import os
 import resource
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from bench import step_time  # noqa: E402
 from bench._engines import TrainSettings, parse_engines  # noqa: E402
+from bench._fit_probe import record_misfit, vm_kib  # noqa: E402
 from bench._report import fill_ratios, row_json  # noqa: E402
 from examples.gpt import GPTConfig  # noqa: E402
 from zerodp.comm import default_device, destroy_process_group_if_owned, ensure_process_group  # noqa: E402
@@ -64,19 +64,12 @@ def run_time(task: dict[str, Any]) -> list[dict[str, Any]]:
     return [row_json(row, dist.get_world_size()) for row in rows]
 
 
-def _vm_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return -1
-
-
 def run_fit(task: dict[str, Any]) -> dict[str, Any]:
     """Two steps of one engine on one GPT under RLIMIT_DATA; what fits, never raises."""
     spec = parse_engines(task["engines"])[0]
     settings = _settings(task)
     device = default_device()
-    baseline = _vm_kib("VmData") * 1024
+    baseline = vm_kib("VmData") * 1024
     budget = task["budget_bytes"]
     resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
     result: dict[str, Any] = {"baseline_vmdata_bytes": baseline, "rank": dist.get_rank()}
@@ -90,11 +83,8 @@ def run_fit(task: dict[str, Any]) -> dict[str, Any]:
         step_time.run_steps(runner, batches, 2)
         result["ok"] = True
     except BaseException as exc:  # any failure under the cap means the model does not fit
-        result["ok"] = False
-        first_line = (str(exc).splitlines() or [""])[0]
-        result["error"] = f"{type(exc).__name__}: {first_line[:200]}"
-        result["where"] = traceback.format_exc(limit=3).splitlines()[-3:]
-    result["vmhwm_bytes"] = _vm_kib("VmHWM") * 1024
+        record_misfit(result, exc)
+    result["vmhwm_bytes"] = vm_kib("VmHWM") * 1024
     return result
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import resource
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -37,12 +36,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-
-def _vm_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return -1
+from bench._fit_probe import record_misfit, vm_kib  # noqa: E402
 
 
 def build_model(model: dict[str, int], length: int) -> Any:
@@ -149,25 +143,22 @@ def attempt(task: dict[str, Any]) -> dict[str, Any]:
     cap: what the process holds then plus the budget, for two steps of `length` tokens."""
     result: dict[str, Any] = {"rank": dist.get_rank()}
     model = build_model(task["model"], task["length"])
-    before = _vm_kib("VmData") * 1024
+    before = vm_kib("VmData") * 1024
     build = deepspeed_engine if task["engine"] == "deepspeed" else zerodp_engine
     train = build(task, model)
     del model
     train(0, 8 * task["sequence"])
-    baseline = _vm_kib("VmData") * 1024
+    baseline = vm_kib("VmData") * 1024
     result["engine_vmdata_bytes"] = baseline - before
-    result["warm_vmhwm_bytes"] = _vm_kib("VmHWM") * 1024
+    result["warm_vmhwm_bytes"] = vm_kib("VmHWM") * 1024
     resource.setrlimit(resource.RLIMIT_DATA, (baseline + task["budget_bytes"],) * 2)
     try:
         for step in (1, 2):
             train(step, task["length"])
         result["ok"] = True
     except BaseException as exc:  # any failure under the cap means the length does not fit
-        result["ok"] = False
-        first_line = (str(exc).splitlines() or [""])[0]
-        result["error"] = f"{type(exc).__name__}: {first_line[:200]}"
-        result["where"] = traceback.format_exc(limit=3).splitlines()[-3:]
-    result["vmhwm_bytes"] = _vm_kib("VmHWM") * 1024
+        record_misfit(result, exc)
+    result["vmhwm_bytes"] = vm_kib("VmHWM") * 1024
     return result
 
 
