@@ -8,7 +8,9 @@ of each micro-batch, averaged over replicas and micro-batches, backward, clippin
 a torch optimizer step. After every forward the returned `.loss` is compared with
 the reference's loss of that micro-batch; after every step the global grad norm
 (before clipping) and every full parameter; and the sequence length every decoder
-layer saw is recorded.
+layer saw is recorded. With `monitor`, the csv monitor's train loss of each step is
+compared with the reference's losses of that step, averaged: each rank reports the loss of
+the whole sequence, so its average over all ranks counts every replica alike.
 
 The data: replica d's micro-batch m of step k is drawn from a generator seeded by
 (k, m, d), so replicas read different rows and the ranks of a sequence group the
@@ -27,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import csv
 import math
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +69,7 @@ class Case:
     checkpointing: bool = False  # transformers' gradient checkpointing on both models
     attention: str = "sdpa"  # the model's attention implementation ("eager": its own function)
     dtype: str = "fp32"  # "bf16" and "fp16" need optimizer "sgd" (see MIXED_TOLERANCE)
+    monitor: bool = False  # the csv monitor on, its train loss checked (`monitored_losses`)
     zero: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # further top-level config keys
 
@@ -252,8 +257,10 @@ def train_and_compare(
     mine = engine.data_parallel_rank
     tolerance = MIXED_TOLERANCE.get(case.dtype, TOLERANCE)
     worst = {"loss": 0.0, "norm": 0.0, "weights": 0.0}
+    mean_losses = []
     for step in steps:
         expected_losses, expected_norm = reference.step(step, replicas)
+        mean_losses.append(sum(map(sum, expected_losses)) / (case.gas * replicas))
         for micro in range(case.gas):
             out = engine(**batch(case, step, micro, mine))
             where = f"{case}, step {step}, micro {micro}"
@@ -269,7 +276,29 @@ def train_and_compare(
         where = f"{case}, step {step}"
         worst["norm"] = max(worst["norm"], close(norm, expected_norm, f"{where}: norm", tolerance))
         worst["weights"] = max(worst["weights"], check_weights(model, reference, where, engine))
+    if case.monitor and dist.get_rank() == 0:  # rank 0 writes the monitor's files
+        monitored = monitored_losses(engine)
+        assert len(monitored) == len(mean_losses), (case, monitored, mean_losses)
+        worst["monitor"] = close(monitored, mean_losses, f"{case}: the monitor's train loss")
     return worst
+
+
+def monitored_losses(engine: Any) -> list[float]:
+    """The train loss the csv monitor wrote, one row per optimizer step."""
+    monitor = engine.config.csv_monitor
+    path = f"{monitor.output_path}/{monitor.job_name}/Train_Samples_train_loss.csv"
+    with open(path) as file:
+        rows = list(csv.reader(file))
+    assert rows[0] == ["step", "value"], rows
+    return [float(value) for _, value in rows[1:]]
+
+
+def _with_monitor(config: dict[str, Any]) -> dict[str, Any]:
+    """The csv monitor on, writing under a directory rank 0 made (the ranks' configs agree)."""
+    directory = [tempfile.mkdtemp(prefix="zerodp-monitor-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    monitor = {"enabled": True, "output_path": directory[0], "job_name": "job"}
+    return {**config, "csv_monitor": monitor}
 
 
 def run_case(case: Case) -> dict[str, Any]:
@@ -280,7 +309,8 @@ def run_case(case: Case) -> dict[str, Any]:
         model.gradient_checkpointing_enable()
     reference = Reference(case, copy.deepcopy(model))
     given = optimizers(case, model) if case.optimizer == "muon" else None
-    engine, _, _, _ = zerodp.initialize(model=model, config=case.config(), optimizer=given)
+    config = _with_monitor(case.config()) if case.monitor else case.config()
+    engine, _, _, _ = zerodp.initialize(model=model, config=config, optimizer=given)
     lengths = LayerLengths(model)
     fp32_iteration = newton_schulz("fp32") if case.optimizer == "muon" else contextlib.nullcontext()
     try:

@@ -64,13 +64,20 @@ WORLD_2 = [
     Case(3, optimizer="sgd", dtype="fp16", gas=2),
 ]
 WORLD_4 = [
-    Case(1, gas=2, clip=0.05, masked_prompt=True),
+    Case(1, gas=2, clip=0.05, masked_prompt=True, monitor=True),
     Case(3, optimizer="sgd", padding=True),
     Case(2, sequence=4, clip=0.05, masked_prompt=True, attention="eager", padding=True),
     Case(0, sequence=4, gas=2, optimizer="sgd", packed=True),
     # Sequence x tensor parallelism (S = 2 x T = 2, one data rank): Ulysses over each tensor
     # slice's heads, with tiling, clipping and accumulation.
-    Case(3, gas=2, clip=0.05, masked_prompt=True, extra={"tensor_parallel": {"autotp_size": 2}}),
+    Case(
+        3,
+        gas=2,
+        clip=0.05,
+        masked_prompt=True,
+        monitor=True,
+        extra={"tensor_parallel": {"autotp_size": 2}},
+    ),
     Case(2, gas=2, clip=0.05, extra={"tensor_parallel": {"autotp_size": 2}}),
     Case(0, optimizer="sgd", packed=True, extra={"tensor_parallel": {"autotp_size": 2}}),
     Case(
@@ -96,6 +103,8 @@ def check_results(cases: list[Case], results: list[list[dict[str, Any]]]) -> Non
             assert result["sequence_rank"] == sequence_rank, (case, result)
             world = len(results)
             assert result["data_parallel_size"] == world // (case.sequence * tensor), result
+            if case.monitor and result["rank"] == 0:
+                assert "monitor" in result, (case, result)  # checked in train_and_compare
     print("\n".join(f"{c}: {r}" for c, r in zip(cases, results[0], strict=True)))
 
 
