@@ -24,6 +24,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,9 @@ class PreloadedRanks:
             bufsize=1,
         )
         self._runs = 0
+        # The replies are read from the pipe's descriptor, never through a buffered reader:
+        # a reader could hold the next line while `select` waits on the descriptor for it.
+        self._pending = b""
         if self._reply() != {"ready": True}:
             raise RuntimeError(f"the rank server did not start (importing {module})")
 
@@ -107,15 +111,17 @@ class PreloadedRanks:
     def _reply(self, wait_s: float | None = None) -> dict | None:
         """The server's next line; None if none came within `wait_s`."""
         assert self._server.stdout is not None
-        if wait_s is not None:
-            import select
-
-            ready, _, _ = select.select([self._server.stdout], [], [], wait_s)
-            if not ready:
-                return None
-        line = self._server.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the rank server ended (status {self._server.wait()})")
+        descriptor = self._server.stdout.fileno()
+        while b"\n" not in self._pending:
+            if wait_s is not None:
+                ready, _, _ = select.select([descriptor], [], [], wait_s)
+                if not ready:
+                    return None
+            chunk = os.read(descriptor, 65536)
+            if not chunk:
+                raise RuntimeError(f"the rank server ended (status {self._server.wait()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
         return json.loads(line)
 
 

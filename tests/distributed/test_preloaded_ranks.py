@@ -34,9 +34,17 @@ sys.exit(5 if rank == 0 else 0)
 def test_forked_ranks_end_as_fresh_processes_do(tmp_path: Path) -> None:
     script = tmp_path / "ending.py"
     script.write_text(SCRIPT)
+    instant = tmp_path / "instant.py"
+    instant.write_text("import os, sys\nsys.exit(int(os.environ['RANK']) + 2)\n")
     ranks = PreloadedRanks("zerodp")
     try:
         forked = ranks.run([str(script), "an-arg"], world_size=4, timeout_s=12)
+        # Ranks that end at once: the server's two replies (the ranks' pids, then their
+        # statuses) arrive together, and both must be read (a buffered reader once held
+        # the second while `select` waited for it, until the run hung).
+        for _ in range(4):
+            statuses = [e.status for e in ranks.run([str(instant)], world_size=2, timeout_s=30)]
+            assert statuses == [2, 3]
     finally:
         ranks.close()
     fresh = run_ranks([str(script), "an-arg"], world_size=3, timeout_s=60)
