@@ -6,14 +6,15 @@
 
 bench/sequence_fit.py's bytes-per-token column is the slope of each fitting attempt's
 lifetime peak resident memory (VmHWM). That peak includes building the engine: where
-building peaks higher than a short row's step does (DeepSpeed's initialization holds about
-80 MB more), the short rows add nothing to it and the slope reads low. Here the step is
-measured alone. Each (engine, length) runs in fresh processes (S ranks): the engine is built, one
-warm-up step runs at the length (the optimizer state exists after it), the peak is reset
-(`/proc/self/clear_refs`), and a second step's peak above the resident memory before it is
-read on every rank (the largest is reported). glibc's mmap threshold is fixed at 64 KiB,
-so a freed tensor leaves resident memory at once. The slope between two lengths, against
-the tokens each rank holds (length / S), is what a token costs a rank's step.
+building peaks higher than a short row's step does (DeepSpeed's process peaks about 80 MB
+higher before its first step), the short rows add nothing to it and the slope reads low.
+Here the step is measured alone. Each (engine, length) runs in fresh processes (S ranks):
+the engine is built, one warm-up step runs at the length (the optimizer state exists after
+it), the peak is reset (`/proc/self/clear_refs`), and a second step's peak above the
+resident memory before it is read on every rank (the largest is reported). glibc's mmap
+threshold is fixed at 64 KiB, so a freed tensor leaves resident memory at once. The slope
+between two lengths, against the tokens each rank holds (length / S), is what a token
+costs a rank's step.
 
 The model and the engines are bench/sequence_fit.py's (tiny Llama, vocabulary 4096, ZeRO
 stage 3, AdamW, one row; DeepSpeed's Ulysses as its tutorial wires it, untiled); "plain"

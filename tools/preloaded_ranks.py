@@ -92,8 +92,14 @@ class PreloadedRanks:
                         pass  # ended already: its status is its own
             statuses = self._reply(wait_s=1.0)
             statuses = None if statuses is None else statuses["statuses"]
+        # A rank that had ended by itself before the kill (a zombie the server had not
+        # reaped yet: the kill does nothing to it) keeps its own status, as with `run_ranks`.
         return [
-            RankExit(rank, None if rank in killed else status, out.read_text(errors="replace"))
+            RankExit(
+                rank,
+                None if rank in killed and status == -9 else status,
+                out.read_text(errors="replace"),
+            )
             for rank, (status, out) in enumerate(zip(statuses, outputs, strict=True))
         ]
 
