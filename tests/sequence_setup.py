@@ -324,6 +324,8 @@ def run_case(case: Case) -> dict[str, Any]:
         "layer_lengths": sorted(lengths.seen),
         "sequence_rank": 0 if case.sequence == 1 else engine.sequence_parallel.rank,
         "data_parallel_size": engine.data_parallel_size,
+        "dp_world_size": engine.dp_world_size,
+        "data_parallel_ranks": (engine.data_parallel_rank, engine.get_data_parallel_rank()),
         **worst,
     }
 

@@ -103,6 +103,10 @@ def check_results(cases: list[Case], results: list[list[dict[str, Any]]]) -> Non
             assert result["sequence_rank"] == sequence_rank, (case, result)
             world = len(results)
             assert result["data_parallel_size"] == world // (case.sequence * tensor), result
+            assert result["dp_world_size"] == result["data_parallel_size"], result
+            # rank = (d * S + s) * T + t: the data rank is the outer coordinate.
+            data_rank = result["rank"] // (case.sequence * tensor)
+            assert result["data_parallel_ranks"] == (data_rank, data_rank), (case, result)
             if case.monitor and result["rank"] == 0:
                 assert "monitor" in result, (case, result)  # checked in train_and_compare
     print("\n".join(f"{c}: {r}" for c, r in zip(cases, results[0], strict=True)))

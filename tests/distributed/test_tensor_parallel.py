@@ -80,6 +80,9 @@ def train_case(
     check_q_proj_is_a_slice(engine, build_llama())
     world = dist.get_world_size()
     assert (engine.dp_world_size, engine.mp_world_size) == (world // TENSOR, TENSOR)
+    tensor_rank = dist.get_rank() % TENSOR
+    assert engine.get_data_parallel_rank() == engine.data_parallel_rank == data_index()
+    assert engine.get_model_parallel_rank() == engine.get_tensor_parallel_rank() == tensor_rank
     trace, compared = train_engine(engine, STEPS, gas, data_index(), pattern=pattern)
     measured = model_state_formula(engine, stage) if memory else None
     weights = engine.state_dict()

@@ -227,13 +227,16 @@ class DeepSpeedEngineMethods:
         return self.comms.dims.tensor_size
 
     def get_data_parallel_rank(self) -> int:
-        return self.comm.rank
+        """Which of the `dp_world_size` parts of the data this rank reads (the same on every
+        rank of a sequence or tensor group), as DeepSpeed's data-parallel group rank."""
+        return self.comms.dims.data_index
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        """This rank's place in its tensor group (of `mp_world_size`; no pipeline stages)."""
+        return self.comms.dims.tensor_rank
 
     def get_tensor_parallel_rank(self) -> int:
-        return 0
+        return self.comms.dims.tensor_rank
 
     @property
     def monitor(self) -> Any:

@@ -301,22 +301,24 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
 
     @property
     def global_rank(self) -> int:
-        """This process's rank in the data-parallel group."""
+        """This process's rank among all ranks of the run (DeepSpeed's `global_rank`)."""
         return self.comm.rank
 
     @property
     def world_size(self) -> int:
-        """The number of data-parallel ranks."""
+        """Every rank of the run (data x sequence x tensor ranks); `data_parallel_size` is D."""
         return self.comm.world_size
 
     @property
     def data_parallel_size(self) -> int:
-        """D: the ranks that read different samples (world size / sequence_parallel_size)."""
+        """D: the ranks that read different samples (world size / (sequence_parallel_size x
+        autotp_size)); DeepSpeed's `dp_world_size`."""
         return self.comms.dims.data_size
 
     @property
     def data_parallel_rank(self) -> int:
-        """Which of the D parts of the data this rank reads (the same in a sequence group)."""
+        """Which of the D parts of the data this rank reads (the same in a sequence or tensor
+        group); DeepSpeed's `get_data_parallel_rank()`."""
         return self.comms.dims.data_index
 
     @property
