@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -32,6 +33,28 @@ def deepspeed_missing_reason() -> str | None:
     except Exception as exc:  # an installed but broken DeepSpeed is skipped, not fatal
         return f"import failed: {type(exc).__name__}: {exc}"
     return None
+
+
+def ulysses_slice_loss(
+    engine: Any, ids: torch.Tensor, rank: int, size: int
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """DeepSpeed's Ulysses on sequence rank `rank` of `size`, as its data-loader adapter and
+    tutorial wire it: the labels shifted on the whole rows, then the rows, positions and
+    labels split; (the model's output, this slice's mean loss, its target count). The output
+    is returned so that a caller holds its logits through the backward as a loop would."""
+    length = ids.shape[1]
+    shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+    positions = torch.arange(length).expand(ids.shape[0], -1)
+    piece = slice(rank * length // size, (rank + 1) * length // size)
+    labels = shifted[:, piece].contiguous()
+    out = engine(input_ids=ids[:, piece], position_ids=positions[:, piece].contiguous())
+    loss = engine.module.loss_function(
+        logits=out.logits,
+        labels=None,
+        shift_labels=labels,
+        vocab_size=engine.module.config.vocab_size,
+    )
+    return out, loss, (labels != -100).sum()
 
 
 def _skip_shm_op_build() -> None:

@@ -36,6 +36,7 @@ if str(_ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from bench._deepspeed import ulysses_slice_loss  # noqa: E402
 from bench._fit_probe import record_misfit, vm_kib  # noqa: E402
 
 
@@ -115,19 +116,8 @@ def deepspeed_engine(task: dict[str, Any], model: Any) -> Callable[[int, int], N
     rank = dist.get_rank()
 
     def train(step: int, length: int) -> None:
-        piece = slice(rank * length // size, (rank + 1) * length // size)
-        ids = row(task, step, length)
-        shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
-        positions = torch.arange(length).unsqueeze(0)
-        labels = shifted[:, piece].contiguous()
-        out = engine(input_ids=ids[:, piece], position_ids=positions[:, piece].contiguous())
-        loss = engine.module.loss_function(
-            logits=out.logits,
-            labels=None,
-            shift_labels=labels,
-            vocab_size=engine.module.config.vocab_size,
-        )
-        count = (labels != -100).sum()
+        # The output is held through the backward, as the zerodp loop above holds its own.
+        _held, loss, count = ulysses_slice_loss(engine, row(task, step, length), rank, size)
         if size > 1:  # the tutorial's token-weighted sum of the parts (its all_reduce form)
             total = torch.distributed.nn.functional.all_reduce(loss * count) / (length - 1)
         else:

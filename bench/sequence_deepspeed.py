@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._deepspeed import _skip_shm_op_build
+from bench._deepspeed import _skip_shm_op_build, ulysses_slice_loss
 
 SEQUENCE = 2
 ROWS = 2
@@ -110,21 +110,8 @@ def deepspeed_stage(
     group = groups._get_sequence_parallel_group()
     size = groups._get_sequence_parallel_world_size()
     rank = groups._get_sequence_parallel_rank()
-    ids = rows(replica)
-    # As UlyssesSPDataLoaderAdapter does: shift the labels on the whole row, then split.
-    shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
-    positions = torch.arange(LENGTH).expand(ROWS, -1)
-    piece = slice(rank * LENGTH // size, (rank + 1) * LENGTH // size)
-    local_labels = shifted[:, piece].contiguous()
-    outputs = engine(input_ids=ids[:, piece], position_ids=positions[:, piece].contiguous())
-    loss = engine.module.loss_function(
-        logits=outputs.logits,
-        labels=None,
-        shift_labels=local_labels,
-        vocab_size=engine.module.config.vocab_size,
-    )
+    _, loss, count = ulysses_slice_loss(engine, rows(replica), rank, size)
     # The tutorial's differentiable, token-weighted aggregation over the sequence group.
-    count = (local_labels != -100).view(-1).sum()
     if aggregation == "all_gather":
         losses = torch.distributed.nn.functional.all_gather(loss, group=group)
         tokens = torch.distributed.nn.functional.all_gather(count, group=group)

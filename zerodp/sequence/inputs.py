@@ -73,17 +73,17 @@ def split_batch(
     shifted = given_labels if given_labels is not None else shift_labels(kwargs["labels"])
     if out.get("num_items_in_batch") is None:
         out["num_items_in_batch"] = count_targets(shifted, IGNORE_INDEX)
-    local_targets = _local(_pad(shifted, piece, IGNORE_INDEX), piece)
+    local_targets = _local(pad_to_slices(shifted, piece, IGNORE_INDEX), piece)
     out["labels"] = out["shift_labels"] = local_targets
     positions = _positions(kwargs.get("position_ids"), length, source.device, piece)
     out["position_ids"] = _local(positions, piece)
     mask = kwargs.get("attention_mask")
-    full_mask = None if mask is None else _pad(mask, piece, 0)
+    full_mask = None if mask is None else pad_to_slices(mask, piece, 0)
     for key in ("input_ids", "inputs_embeds", "token_type_ids"):
         value = kwargs.get(key)
         if value is not None:
             filler = value[:, -1:] if key == "input_ids" else 0
-            out[key] = _local(_pad(value, piece, filler), piece)
+            out[key] = _local(pad_to_slices(value, piece, filler), piece)
     positions_given = kwargs.get("position_ids") is not None
     if full_mask is not None:
         out["attention_mask"] = _local(full_mask, piece)
@@ -103,15 +103,20 @@ def split_batch(
     return out, full
 
 
-def _pad(value: torch.Tensor, piece: SequenceSlice, filler: Any) -> torch.Tensor:
+def pad_to_slices(
+    value: torch.Tensor, piece: SequenceSlice, filler: Any, dim: int = 1
+) -> torch.Tensor:
+    """`value` padded at the end of `dim` (the sequence) to S equal slices, with `filler`
+    (a value, or a tensor of size 1 along `dim` repeated)."""
     if piece.padding == 0:
         return value
+    shape = list((filler if isinstance(filler, torch.Tensor) else value).shape)
+    shape[dim] = piece.padding
     if isinstance(filler, torch.Tensor):
-        tail = filler.expand(-1, piece.padding, *filler.shape[2:])
+        tail = filler.expand(*shape)
     else:
-        shape = (value.shape[0], piece.padding, *value.shape[2:])
         tail = torch.full(shape, filler, dtype=value.dtype, device=value.device)
-    return torch.cat([value, tail], dim=1)
+    return torch.cat([value, tail], dim=dim)
 
 
 def _local(value: torch.Tensor, piece: SequenceSlice) -> torch.Tensor:

@@ -16,6 +16,7 @@ from zerodp.sequence import group as groups
 from zerodp.sequence.group import SequenceGroup
 from zerodp.sequence.hf_attention import SwitchedAttention, hf_model_in
 from zerodp.sequence.hf_forward import SequenceForwardHooks
+from zerodp.sequence.inputs import pad_to_slices
 from zerodp.sequence.loss import sum_over_sequence
 
 
@@ -65,12 +66,8 @@ class SequenceParallel:
     def split(self, tensor: torch.Tensor, pad_value: Any = 0, dim: int = 1) -> torch.Tensor:
         """This rank's slice of `tensor` along `dim` (the sequence), padded at the end first."""
         piece = self.slice_of(int(tensor.shape[dim]))
-        if piece.padding:
-            shape = list(tensor.shape)
-            shape[dim] = piece.padding
-            tail = torch.full(shape, pad_value, dtype=tensor.dtype, device=tensor.device)
-            tensor = torch.cat([tensor, tail], dim=dim)
-        return tensor.narrow(dim, piece.start, piece.local_length)
+        padded = pad_to_slices(tensor, piece, pad_value, dim)
+        return padded.narrow(dim, piece.start, piece.local_length)
 
     def sum(self, part: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `part` as the value, this rank's gradient (a loss's parts)."""
