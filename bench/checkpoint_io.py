@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zerodp
 from examples.gpt import GPT, GPTConfig
-from zerodp.checkpoint import checksums
-from zerodp.checkpoint.safe_metadata import read_metadata
+from zerodp.checkpoint_io import checksums
+from zerodp.checkpoint_io.safe_metadata import read_metadata
 from zerodp.comm import destroy_process_group_if_owned, ensure_process_group
 
 SMALL = GPTConfig(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, d_model=256)

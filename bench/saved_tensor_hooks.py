@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/saved_tensor_hooks.py
 
 zerodp installs its saved-tensor hooks only while a module holding sharded groups runs
-([Note: saving windows] in zerodp/params/saved_tensors.py). Around the whole forward, the
+([Note: saving windows] in zerodp/stage3/saved_tensors.py). Around the whole forward, the
 placement before, every tensor the forward saves costs a Python call. This times both on
 the same engine, interleaved, step by step: "whole forward" pushes the engine's own hooks
 around each forward, so the scopes inside find them active and step aside (exactly the
@@ -37,7 +37,7 @@ from bench._measure import timed  # noqa: E402
 from bench.step_time import MODELS  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 from zerodp.comm import default_device, destroy_process_group_if_owned, ensure_process_group  # noqa: E402
-from zerodp.params.saved_tensors import SavedParameterView, SavedTensorGatherer  # noqa: E402
+from zerodp.stage3.saved_tensors import SavedParameterView, SavedTensorGatherer  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -3,7 +3,7 @@
 `zerodp.backward.autograd_api` does the same for autograd's internals. Each
 function says why the public API does not suffice, so that a torch upgrade
 that breaks one of them is a change to this file only. The DCP-specific
-internals (ShardedTensor's constructor) live in `zerodp.checkpoint.sharded`,
+internals (ShardedTensor's constructor) live in `zerodp.checkpoint_io.sharded`,
 the one other wrapper, because only checkpoint code may import
 `torch.distributed`.
 """

@@ -8,9 +8,9 @@ from torch import nn
 from zerodp.full_state.gathered_parameters import GatheredParameters
 from zerodp.full_state.param_managers import manager_of
 from zerodp.full_state.state_dicts import full_state_dict, load_state_dict, save_state_dict
-from zerodp.group import ParamStatus
-from zerodp.params import leaf, zero_parameter
-from zerodp.params.init import Init
+from zerodp.group_state import ParamStatus
+from zerodp.stage3 import leaf, zero_parameter
+from zerodp.stage3.init import Init
 
 __all__ = [
     "GatheredParameters",

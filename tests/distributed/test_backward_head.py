@@ -1,7 +1,7 @@
 """Stage 3 keeps the head of a backward gathered only while a backward can still come.
 
 At a forward's end, the groups its backward starts with stay gathered ([Note: kept for the
-backward's head] in zerodp.params.forward_graphs). Every case measures, on every rank, which
+backward's head] in zerodp.stage3.forward_graphs). Every case measures, on every rank, which
 parameters are AVAILABLE and the bytes gathered: the parameter bytes of
 `engine.model_state_bytes()` above what the rank holds with everything released, and the
 gatherer's live count, both against the sizes of the parameters expected to be kept. Stage 3

@@ -317,7 +317,7 @@ def test_consolidate_writes_a_plain_state_dict(pools, tmp_path, stage, dtype) ->
     for name, param in plain.named_parameters():
         torch.testing.assert_close(param.detach(), values[name], rtol=0, atol=0)
 
-    from zerodp.checkpoint.consolidate import consolidate_checkpoint
+    from zerodp.checkpoint_io.consolidate import consolidate_checkpoint
 
     torch_file = consolidate_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "model.pt"))
     state = torch.load(torch_file, weights_only=True)

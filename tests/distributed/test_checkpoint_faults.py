@@ -28,8 +28,8 @@ from torch.utils.data import TensorDataset
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
 from tests.models import DropoutNet
-from zerodp.checkpoint import paths
-from zerodp.checkpoint.safe_metadata import read_metadata
+from zerodp.checkpoint_io import paths
+from zerodp.checkpoint_io.safe_metadata import read_metadata
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -295,7 +295,7 @@ def test_planted_pickles_never_run(pools, tmp_path) -> None:
         assert not marker.exists()
 
     # `zerodp consolidate` reads the same files: none of them runs either.
-    from zerodp.checkpoint.consolidate import full_state_dict_from_checkpoint
+    from zerodp.checkpoint_io.consolidate import full_state_dict_from_checkpoint
 
     for name in [n for n in names if not n.startswith("rank")]:  # it reads no rank file
         for verify in (True, False) if name != "checksums.json" else (True,):
@@ -369,7 +369,7 @@ def save_versions(directory: str) -> dict[str, list[torch.Tensor]]:
 
 
 # The commit steps each kind of commit passes, in order (see [Note: atomic commit] in
-# zerodp.checkpoint.paths): a new tag is renamed into place; an existing one is exchanged with
+# zerodp.checkpoint_io.paths): a new tag is renamed into place; an existing one is exchanged with
 # the new copy, or, where the file system cannot exchange, renamed aside first.
 COMMIT_PATHS = {
     "new": ("written", "renamed", "latest_staged", "latest_replaced", "old_removed"),
@@ -475,7 +475,7 @@ def _fill_disk_on(rank: int, where: str):
     """Make writes of this rank fail with ENOSPC, as on a full disk; returns the undo."""
     from torch.distributed.checkpoint import filesystem
 
-    from zerodp.checkpoint import json_state
+    from zerodp.checkpoint_io import json_state
 
     originals = (filesystem.FileSystem.create_stream, json_state.write_file_synced)
     if dist.get_rank() != rank:
@@ -559,7 +559,7 @@ def load_weights_into_sgd(directory: str) -> list[torch.Tensor]:
 
 def _edit_state(directory: Path, edit) -> None:
     """Change zerodp_state.json and keep its checksum right: only the schema check is left."""
-    from zerodp.checkpoint import checksums
+    from zerodp.checkpoint_io import checksums
 
     state_file = directory / "good" / "zerodp_state.json"
     state = json.loads(state_file.read_text())

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zerodp
 from examples.gpt import GPT, GPTConfig
-from zerodp.group.gather import ParamStatus
+from zerodp.group_state.gather import ParamStatus
 from zerodp.zero import GatheredParameters
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)

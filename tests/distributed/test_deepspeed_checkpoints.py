@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import zerodp
 from tests import deepspeed_run as run
-from zerodp.checkpoint.deepspeed.unpickle import read_pickle
+from zerodp.checkpoint_io.deepspeed.unpickle import read_pickle
 from zerodp.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -39,7 +39,7 @@ from tests.moe_models import (
     vision_inputs,
 )
 from zerodp.comm.faults.collective_order import DEFAULT_TIMEOUT_S
-from zerodp.comm.group import comms_timeout
+from zerodp.comm.process_group import comms_timeout
 from zerodp.testing import ReferenceDP, run_distributed
 from zerodp.testing.parity import assert_params_match
 

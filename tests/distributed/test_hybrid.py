@@ -245,7 +245,7 @@ def leaf_case(layout: str) -> list[int]:
 def init_case(layout: str) -> tuple[int, int]:
     """A model built under zero.Init with the engine's config is adopted in its shard groups;
     returns (shards per group, groups the engine took over as Init built them)."""
-    from zerodp.params.init import init_groups
+    from zerodp.stage3.init import init_groups
 
     quiet_initialize_warnings()
     config = hybrid_config(layout, gas=2, persistence_threshold=0)

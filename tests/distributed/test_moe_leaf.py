@@ -246,7 +246,7 @@ def test_marking_and_unmarking() -> None:
 
 
 def test_config_entries_match_names_suffixes_and_classes() -> None:
-    from zerodp.params.leaf import mark_from_config
+    from zerodp.stage3.leaf import mark_from_config
 
     model = MoELM(MoEConfig())
     found = mark_from_config(model, [], ["blocks.*.moe"], [])

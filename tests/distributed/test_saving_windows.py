@@ -1,5 +1,5 @@
 """Stage 3 installs the saved-tensor hooks only in the forward scopes that hold sharded groups
-([Note: saving windows] in zerodp.params.saved_tensors).
+([Note: saving windows] in zerodp.stage3.saved_tensors).
 
 Two things are checked. Where the hooks are: a block whose parameters are all persistent
 saves nothing through them, a block with sharded parameters does. And that narrowing them
@@ -22,7 +22,7 @@ from torch import nn
 
 import zerodp
 from tests.configs import optimizer_config, zerodp_config
-from zerodp.params.zero_parameter import ZeroParameter
+from zerodp.stage3.zero_parameter import ZeroParameter
 from zerodp.testing import ReferenceDP
 from zerodp.testing.parity import assert_grads_match, assert_params_match
 from zerodp.zero import ParamStatus, param_status

@@ -40,7 +40,7 @@ from tests.tp_reference import (
     tp_config,
     train_engine,
 )
-from zerodp.checkpoint.consolidate import full_state_dict_from_checkpoint
+from zerodp.checkpoint_io.consolidate import full_state_dict_from_checkpoint
 from zerodp.errors import CheckpointError, ConfigError, UsageError
 from zerodp.testing import WorkerPool
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from zerodp.config import ZeroDPConfig
-from zerodp.config.compat import ALIAS_PATHS, IGNORED, UNSUPPORTED
+from zerodp.config.deepspeed_keys import ALIAS_PATHS, IGNORED, UNSUPPORTED
 from zerodp.config.errors import _model_in
 from zerodp.config.optimizer import OPTIMIZER_PARAMS
 from zerodp.config.scheduler import SCHEDULER_PARAMS

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from tests import deepspeed_run as run
-from zerodp.checkpoint.deepspeed.files import DeepSpeedFormat, find_checkpoint
-from zerodp.checkpoint.deepspeed.layout import DeepSpeedLayout, Fragment
-from zerodp.checkpoint.deepspeed.records import read_model_states
-from zerodp.checkpoint.deepspeed.sources import Wanted, open_source
-from zerodp.checkpoint.deepspeed.unpickle import DynamicLossScalerRecord, read_pickle
+from zerodp.checkpoint_io.deepspeed.files import DeepSpeedFormat, find_checkpoint
+from zerodp.checkpoint_io.deepspeed.layout import DeepSpeedLayout, Fragment
+from zerodp.checkpoint_io.deepspeed.records import read_model_states
+from zerodp.checkpoint_io.deepspeed.sources import Wanted, open_source
+from zerodp.checkpoint_io.deepspeed.unpickle import DynamicLossScalerRecord, read_pickle
 from zerodp.errors import CheckpointError
 from zerodp.precision.loss_scaler import LossScaler
 

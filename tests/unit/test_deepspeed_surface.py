@@ -65,7 +65,7 @@ def test_the_comm_face_shadows_nothing_the_internals_import() -> None:
         # The one shared name is the same function in both.
         assert (
             getattr(zerodp.comm, name)
-            is importlib.import_module("zerodp.comm.group").__dict__[name]
+            is importlib.import_module("zerodp.comm.process_group").__dict__[name]
         )
     for name in internal - set(face.__all__):
         value = getattr(zerodp.comm, name)

@@ -1,5 +1,5 @@
 """`ForwardGraphs`: told when the last forward graph that awaits a backward is freed, only
-where releasing is safe ([Note: kept for the backward's head] in zerodp.params.forward_graphs).
+where releasing is safe ([Note: kept for the backward's head] in zerodp.stage3.forward_graphs).
 
 The graphs here are plain autograd graphs; the engine's cases (what is gathered, the bytes)
 are in tests/distributed/test_backward_head.py.
@@ -12,7 +12,7 @@ import threading
 
 import torch
 
-from zerodp.params.forward_graphs import ForwardGraphs, graph_nodes
+from zerodp.stage3.forward_graphs import ForwardGraphs, graph_nodes
 
 
 def _output() -> torch.Tensor:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import zerodp
-from zerodp.checkpoint import paths
+from zerodp.checkpoint_io import paths
 from zerodp.comm import Handle
 from zerodp.comm.faults import failure_notices
 from zerodp.comm.faults.collective_history import CollectiveHistory, CollectiveRecord, recorded
-from zerodp.comm.group import comms_timeout
+from zerodp.comm.process_group import comms_timeout
 from zerodp.config import load_config
 from zerodp.errors import CollectiveError
 from zerodp.torch_internals import forward_raised

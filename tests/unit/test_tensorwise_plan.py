@@ -22,7 +22,7 @@ from zerodp.optim.tensorwise import (
     declare_elementwise,
     update_path,
 )
-from zerodp.optim.tensorwise.plan import update_cost
+from zerodp.optim.tensorwise.ownership import update_cost
 from zerodp.partition.layout import FlatLayout
 
 # One flat group as LayoutNet lays it out: proj.weight, head.bias, head.weight, gain, a.bias,

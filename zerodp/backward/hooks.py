@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from zerodp._tree import grad_tensors_in
 from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
-from zerodp.group import GroupState
+from zerodp.group_state import GroupState
 
 
 def _nothing(*args: Any) -> None:

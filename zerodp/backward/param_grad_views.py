@@ -11,7 +11,7 @@ contribution afresh (see [Note: gradient reduction]).
 
 from __future__ import annotations
 
-from zerodp.group import GradSync, GroupState
+from zerodp.group_state import GradSync, GroupState
 
 
 class ParamGradView:

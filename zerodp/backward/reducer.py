@@ -54,12 +54,12 @@ from torch import nn
 from zerodp.backward.accumulation import AccumulationWindow
 from zerodp.backward.buffers import BufferPool
 from zerodp.backward.param_grad_views import ParamGradView
-from zerodp.backward.plan import ReductionPlan
+from zerodp.backward.reduction_plan import ReductionPlan
 from zerodp.backward.reduction_queue import LaunchKind, ReductionQueue, kept_gradient
 from zerodp.backward.signals import Signal
 from zerodp.comm import Comm
 from zerodp.comm.faults.collective_order import CollectiveOrder
-from zerodp.group import GradSync, GroupState, KeptGradient
+from zerodp.group_state import GradSync, GroupState, KeptGradient
 from zerodp.parallel import ParallelDims
 from zerodp.torch_internals import PlainTensorOps
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from zerodp.backward.buffers import BufferPool
-from zerodp.backward.plan import FullReduce, ReductionPlan
+from zerodp.backward.reduction_plan import FullReduce, ReductionPlan
 from zerodp.comm import Comm, Handle
 from zerodp.comm.faults.collective_order import CollectiveOrder
-from zerodp.group import GradSync, GroupState, KeptGradient
+from zerodp.group_state import GradSync, GroupState, KeptGradient
 from zerodp.parallel import REPLICA, SHARD, ParallelDims
 
 

@@ -15,7 +15,8 @@ same function in both).
 """
 
 from zerodp.comm.collectives import Comm, broadcast_tensors
-from zerodp.comm.group import (
+from zerodp.comm.handles import Handle
+from zerodp.comm.process_group import (
     current_rank,
     current_world_size,
     default_device,
@@ -23,7 +24,6 @@ from zerodp.comm.group import (
     ensure_process_group,
     is_initialized,
 )
-from zerodp.comm.handles import Handle
 from zerodp.comm.public import (
     P2POp,
     ProcessGroup,

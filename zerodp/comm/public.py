@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerodp.comm.group import (
+from zerodp.comm.process_group import (
     default_device,
     destroy_process_group_if_owned,
     ensure_process_group,

@@ -27,7 +27,7 @@ ranks inside each shard group. A gather from the shard group leaves each rank
 a secondary shard: the H-th of the full buffer at its place in its hpZ group.
 Later gathers of that group all-gather the secondary shards inside the hpZ
 group, until the parameters change (see [Note: hpZ secondary shard] in
-`zerodp.group.secondary`).
+`zerodp.group_state.secondary`).
 
 Nodes hold consecutive ranks (torchrun's assignment). Ranks per node come from
 ZERODP_NODE_SIZE when set (launchers that do not set LOCAL_WORLD_SIZE, and

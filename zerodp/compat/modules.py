@@ -32,7 +32,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "runtime.zero": {"*": "zerodp.zero"},
     "runtime.zero.partition_parameters": {
         "*": "zerodp.zero",
-        "ZeroParamStatus": "zerodp.group:ParamStatus",
+        "ZeroParamStatus": "zerodp.group_state:ParamStatus",
     },
     "runtime.zero.offload_config": {"OffloadDeviceEnum": "zerodp.posttrain:OffloadDeviceEnum"},
     "runtime.lr_schedules": {"*": "zerodp.optim.schedulers"},

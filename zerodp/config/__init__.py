@@ -26,7 +26,7 @@ from typing import Any, TypeAlias
 
 from zerodp.config.auto import AutoHints, resolve_auto
 from zerodp.config.batch import BatchSizes, resolve_batch_sizes
-from zerodp.config.compat import Notice, format_notice, translate
+from zerodp.config.deepspeed_keys import Notice, format_notice, translate
 from zerodp.config.errors import show_value
 from zerodp.config.model import (
     BF16Config,

@@ -113,7 +113,7 @@ def _messages(errors: list[Any], model: type[BaseModel], prefix: Loc) -> list[st
 
 def _unknown_key(loc: Loc, section: type[BaseModel] | None) -> str:
     # Local import: the compat tables import this module's helpers.
-    from zerodp.config.compat import known_keys
+    from zerodp.config.deepspeed_keys import known_keys
 
     key = str(loc[-1])
     head = f"unknown config key '{join_path(loc)}'"

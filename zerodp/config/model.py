@@ -3,7 +3,7 @@
 Attribute names equal DeepSpeed's JSON keys so existing config files load
 unchanged. The models hold exactly what zerodp honours; DeepSpeed keys that
 change nothing here, legacy names and unimplemented features are handled by
-`zerodp.config.compat` before validation, and "auto" values by
+`zerodp.config.deepspeed_keys` before validation, and "auto" values by
 `zerodp.config.auto`. Every section forbids unknown keys: a misspelled key
 silently falling back to a default is the most expensive config bug there is.
 """

@@ -14,7 +14,7 @@ torch.optim), so a misspelled key is reported with the nearest valid one.
 
 DeepSpeed's own optimizer names (`FusedAdam`, `CPUAdam`, ...) and its extra
 params (`bias_correction`, `torch_adam`, ...) are translated before these
-models see the config; see `zerodp.config.compat`.
+models see the config; see `zerodp.config.deepspeed_keys`.
 """
 
 from __future__ import annotations

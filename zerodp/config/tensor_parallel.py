@@ -7,7 +7,7 @@ equal to `autotp_size` or 1, `tp_grain_size` 1, no `mpu` / `tp_group` object,
 a `dtype` that matches the `bf16` / `fp16` blocks); `tp_overlap_comm` and
 `keep_module_on_host` change nothing here and are listed in the config
 warning; the rest (`partition_config`, `preset_model`, kernel injection, a
-vocabulary-parallel loss) is refused by `zerodp.config.compat.unsupported`.
+vocabulary-parallel loss) is refused by `zerodp.config.deepspeed_keys.unsupported`.
 
 zerodp's own keys: `plan`, module-name patterns mapped to a split style, for
 a model without a plan of its own (or to replace it), and

@@ -35,7 +35,7 @@ from zerodp.backward.lifecycle import BackwardLifecycle
 from zerodp.backward.reducer import GradientReducer
 from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm
-from zerodp.comm.group import comms_timeout
+from zerodp.comm.process_group import comms_timeout
 from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.backward_wiring import ParamRuntime, build_backward
@@ -44,7 +44,7 @@ from zerodp.engine.model_groups import build_groups
 from zerodp.engine.optimizers import OptimizerBuild, build_optimizer
 from zerodp.engine.tensor_wiring import split_model, tensor_parallelism
 from zerodp.full_state.param_state import FullStateAccessor
-from zerodp.group import GroupIndex
+from zerodp.group_state import GroupIndex
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
 from zerodp.monitor.sinks import Monitor
 from zerodp.monitor.training import TrainingReporter

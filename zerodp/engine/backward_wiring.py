@@ -24,12 +24,12 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.compile import apply_compile, prepare_stage3
-from zerodp.group import GroupIndex
+from zerodp.group_state import GroupIndex
 from zerodp.optim.strategy import StageStrategy
-from zerodp.params.runtime import ResidentParams, Stage3Runtime, collective_order_for
 from zerodp.partition.builder import ModelLayout
 from zerodp.precision import PrecisionPolicy
-from zerodp.precision.inputs import install_input_cast
+from zerodp.precision.input_casting import install_input_cast
+from zerodp.stage3.runtime import ResidentParams, Stage3Runtime, collective_order_for
 
 ParamRuntime = ResidentParams | Stage3Runtime
 ForwardStart = Callable[[tuple[Any, ...], dict[str, Any]], None]

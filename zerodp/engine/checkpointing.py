@@ -1,5 +1,5 @@
 """The engine's checkpoint methods: `save_checkpoint` and `load_checkpoint` on a
-`CheckpointSubject`, the narrow view of the engine that `zerodp.checkpoint` sees."""
+`CheckpointSubject`, the narrow view of the engine that `zerodp.checkpoint_io` sees."""
 
 from __future__ import annotations
 
@@ -8,21 +8,21 @@ from typing import Any
 from torch import nn
 
 from zerodp.backward.step_gate import StepGate
-from zerodp.checkpoint import (
+from zerodp.checkpoint_io import (
     CheckpointSubject,
     LoadOptions,
     LoadReport,
     load_any_checkpoint,
     save_checkpoint,
 )
-from zerodp.checkpoint.stateful import OptimizerSettings, SchedulerState
+from zerodp.checkpoint_io.stateful import OptimizerSettings, SchedulerState
 from zerodp.comm import Comm
 from zerodp.comm.agreement import agreement
 from zerodp.comm.faults.uneven_inputs import Activity
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.data_loader import ZeroDataLoader
-from zerodp.group import GroupIndex
+from zerodp.group_state import GroupIndex
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
@@ -31,7 +31,7 @@ from zerodp.train_state import TrainState
 
 
 class CheckpointMethods:
-    """DeepSpeed's checkpoint calls, delegating to `zerodp.checkpoint`."""
+    """DeepSpeed's checkpoint calls, delegating to `zerodp.checkpoint_io`."""
 
     # Provided by ZeroEngine.
     comm: Comm
@@ -65,7 +65,7 @@ class CheckpointMethods:
 
         A collective: every rank calls it. Written under a temporary name and made
         visible (renamed, then `latest` updated) only once every rank has finished.
-        Returns the checkpoint's path. See zerodp.checkpoint for the format.
+        Returns the checkpoint's path. See zerodp.checkpoint_io for the format.
         `random_states=False` leaves out the random generator states (when they are not
         the run's, as in `zerodp convert`); loading it then leaves the generators as
         they are, and says so.

@@ -1,7 +1,7 @@
 """torch.compile for zerodp models: the `compile` config key, and compiled blocks at stage 3.
 
 zerodp's hooks run outside compiled graphs; see [Note: stage 3 under torch.compile]
-(`zerodp.params.compiled`) for stage 3. What this module decides:
+(`zerodp.stage3.compiled`) for stage 3. What this module decides:
 
 - which modules are the model's blocks: `zerodp.partition.blocks.repeated_blocks`
   (the children of a `ModuleList` or `Sequential` whose children, two or more,
@@ -25,8 +25,8 @@ from torch import nn
 
 from zerodp.config import CompileConfig
 from zerodp.errors import ConfigError
-from zerodp.params.leaf import mark_leaf_modules
 from zerodp.partition.blocks import repeated_blocks
+from zerodp.stage3.leaf import mark_leaf_modules
 
 _COMPILED = torch._dynamo.eval_frame.OptimizedModule
 

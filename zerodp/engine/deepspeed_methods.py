@@ -22,7 +22,7 @@ from zerodp.config import ZeroDPConfig
 from zerodp.engine.unsupported_attributes import UNSUPPORTED_ENGINE_ATTRIBUTES
 from zerodp.errors import NonScalarLossError, UnsupportedFeatureError, UsageError
 from zerodp.full_state.state_dicts import full_state_dict, load_state_dict, save_state_dict
-from zerodp.group import GroupIndex
+from zerodp.group_state import GroupIndex
 from zerodp.monitor.memory import ModelStateTensors
 from zerodp.monitor.training import TrainingReporter
 from zerodp.optim.sharded_optimizer import ZeroOptimizer

@@ -20,11 +20,11 @@ from torch.utils.hooks import RemovableHandle
 from zerodp.backward import autograd_api
 from zerodp.backward.lifecycle import GraphTask
 from zerodp.backward.step_gate import GradientState
-from zerodp.checkpoint import LoadReport
+from zerodp.checkpoint_io import LoadReport
 from zerodp.comm import Comm, default_device, ensure_process_group
 from zerodp.comm.agreement import agreement
 from zerodp.comm.faults.uneven_inputs import Activity, whereabouts
-from zerodp.comm.group import comms_timeout, local_rank
+from zerodp.comm.process_group import comms_timeout, local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import Removable, assemble
@@ -35,11 +35,11 @@ from zerodp.engine.deepspeed_methods import (
     check_loss,
     model_state_tensors,
 )
-from zerodp.engine.join import JoinMethods
 from zerodp.engine.startup_checks import check_ranks_agree
+from zerodp.engine.uneven_join import JoinMethods
 from zerodp.errors import LifecycleError, UsageError
 from zerodp.full_state import param_managers
-from zerodp.group import ParamStatus
+from zerodp.group_state import ParamStatus
 from zerodp.monitor.events import NON_FINITE_STEPS
 from zerodp.monitor.memory import ModelStateBytes, model_state_bytes, with_host_tensors
 from zerodp.monitor.training import BoundaryRecord

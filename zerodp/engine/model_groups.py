@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerodp.backward.plan import GradStorage
+from zerodp.backward.reduction_plan import GradStorage
 from zerodp.comm import Comm, broadcast_tensors
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
-from zerodp.group import (
+from zerodp.group_state import (
     GatherState,
     GroupIndex,
     GroupState,
@@ -41,11 +41,11 @@ from zerodp.offload.setup import (
 )
 from zerodp.optim.param_groups import ParamGroupSpec
 from zerodp.optim.strategy import StageStrategy
-from zerodp.params.init import adopt_init_groups
-from zerodp.params.leaf import leaf_modules, mark_from_config
 from zerodp.partition import FlatGroup
 from zerodp.partition.builder import ModelLayout, UnitRule, build_layout
 from zerodp.precision import PrecisionPolicy
+from zerodp.stage3.init import adopt_init_groups
+from zerodp.stage3.leaf import leaf_modules, mark_from_config
 from zerodp.torch_internals import replace_buffers
 
 

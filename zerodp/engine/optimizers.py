@@ -14,7 +14,7 @@ from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.backward_wiring import BackwardParts
 from zerodp.errors import ConfigError
-from zerodp.group import GroupIndex, GroupState
+from zerodp.group_state import GroupIndex, GroupState
 from zerodp.offload import OffloadPolicy, OffloadStorage, Placement
 from zerodp.optim.grad_norm import NormReduction
 from zerodp.optim.offloaded_step import OffloadedSteps

@@ -20,8 +20,8 @@ from torch import nn
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import ConfigError
-from zerodp.group import GroupIndex
-from zerodp.params import zero_parameter
+from zerodp.group_state import GroupIndex
+from zerodp.stage3 import zero_parameter
 from zerodp.tensor_parallel import TensorParallelism, TensorSplit, split_for_engine
 
 

@@ -11,8 +11,8 @@ from torch import nn
 from zerodp.comm import Comm, broadcast_tensors, ensure_process_group
 from zerodp.errors import ParamStateError
 from zerodp.full_state.param_managers import manager_of
-from zerodp.group import GroupState
-from zerodp.params import zero_parameter
+from zerodp.group_state import GroupState
+from zerodp.stage3 import zero_parameter
 
 
 class GatheredParameters:

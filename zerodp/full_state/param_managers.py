@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zerodp.comm import Comm
 from zerodp.errors import LifecycleError
 from zerodp.full_state.param_state import FullStateAccessor
-from zerodp.group import GroupIndex, GroupState, ParamStatus
+from zerodp.group_state import GroupIndex, GroupState, ParamStatus
 from zerodp.tensor_parallel import TensorParallelism
 
 

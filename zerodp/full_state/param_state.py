@@ -15,7 +15,7 @@ from torch import nn
 
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
-from zerodp.group import GroupIndex, GroupState
+from zerodp.group_state import GroupIndex, GroupState
 from zerodp.optim.tensorwise import ALL_RANKS, TensorTask, TensorwiseStep
 
 

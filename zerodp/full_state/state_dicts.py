@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from zerodp.checkpoint.safetensors_stream import (
+from zerodp.checkpoint_io.safetensors_stream import (
     SafetensorsStreamWriter,
     TensorEntry,
     plan_files,
@@ -35,8 +35,8 @@ from zerodp.comm import Comm, current_rank, is_initialized
 from zerodp.errors import CheckpointError
 from zerodp.full_state.gathered_parameters import GatheredParameters
 from zerodp.full_state.param_managers import manager_of, manager_of_module
-from zerodp.group import GroupState
-from zerodp.params import zero_parameter
+from zerodp.group_state import GroupState
+from zerodp.stage3 import zero_parameter
 from zerodp.tensor_parallel import TensorSplit
 
 

@@ -135,11 +135,11 @@ def _env(*, as_json: bool) -> int:
 
 def _consolidate(checkpoint_dir: str, output: str, tag: str | None, verify: bool) -> int:
     try:
-        from zerodp.checkpoint.consolidate import consolidate_checkpoint
+        from zerodp.checkpoint_io.consolidate import consolidate_checkpoint
     except ImportError as error:
         print(
             "zerodp consolidate: error: this zerodp installation has no checkpoint "
-            f"consolidation (zerodp.checkpoint.consolidate is not importable: {error})",
+            f"consolidation (zerodp.checkpoint_io.consolidate is not importable: {error})",
             file=sys.stderr,
         )
         return USAGE_ERROR

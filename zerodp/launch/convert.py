@@ -14,7 +14,7 @@ bf16 or fp16); for a model too large for that, load the DeepSpeed checkpoint
 directly with `engine.load_checkpoint`, which reads only each rank's part.
 
 `--hf DIR` also writes the full weights as Hugging Face safetensors, in
-bounded memory (see `zerodp.checkpoint.deepspeed.export`).
+bounded memory (see `zerodp.checkpoint_io.deepspeed.export`).
 
 Loading the result gives what loading the DeepSpeed checkpoint directly
 gives: the client_state the run saved, the counters (micro-steps counted with
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerodp.checkpoint.deepspeed.export import RunDescription, describe_run, export_safetensors
+from zerodp.checkpoint_io.deepspeed.export import RunDescription, describe_run, export_safetensors
 
 # The scheduler is not rebuilt from the config: its saved state is carried (`SavedScheduler`).
 _CONFIG_BLOCKS = ("optimizer", "gradient_clipping", "fp16", "bf16")

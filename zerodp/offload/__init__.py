@@ -4,7 +4,7 @@
 under `nvme_path`); `storage` allocates the host-side tensors (pinned when an
 accelerator is there) and the file-backed ones, and removes the files at the
 end. The record of each group says where its tensors are
-(`zerodp.group.OptimizerParam`, `FlatGroup.shard`); no map is kept here.
+(`zerodp.group_state.OptimizerParam`, `FlatGroup.shard`); no map is kept here.
 """
 
 from zerodp.offload.policy import OffloadPolicy, Placement

@@ -10,7 +10,7 @@ import torch
 
 from zerodp.comm import Comm
 from zerodp.errors import ConfigError
-from zerodp.group import HostBuffers
+from zerodp.group_state import HostBuffers
 from zerodp.offload.policy import OffloadPolicy, Placement
 from zerodp.offload.storage import OffloadStorage, free_bytes
 from zerodp.partition import FlatGroup

@@ -1,7 +1,8 @@
 """A finder on `sys.meta_path` that answers zerodp's old import paths.
 
-It is consulted only for names no other finder found (it is appended last), and only for
-the names in `MOVED`: a module that exists is never shadowed. For a public path, the
+It answers only the names in `MOVED` and the modules of the packages there (a moved
+package's modules moved with it); no module exists at those names, so nothing real is
+shadowed although the finder comes first. For a public path, the
 loader puts the new module in `sys.modules` under the old name, so both names are one
 module object (its classes, `isinstance` checks and pickles stay the same); for an
 internal one, loading raises.
@@ -18,6 +19,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType, ModuleType
 
+# [Note: retiring old paths]
+# An old path is answered for two minor releases after the release that moved it, then
+# dropped: a path moved during 0.1.x works (or fails naming its new place) through 0.2.x and
+# is gone in 0.3.0. `Moved.removed_in` records that release for each path, and
+# tests/unit/test_old_paths.py fails once the package's version reaches it, so the entry is
+# removed with the release rather than forgotten. A public path's DeprecationWarning names
+# the release too, so a user sees the deadline at the line that imports it.
+MOVED_DURING = "0.1"
+REMOVED_IN = "0.3.0"
+
 
 @dataclass(frozen=True)
 class Moved:
@@ -26,12 +37,26 @@ class Moved:
     new: str  # the module's path now
     public: bool  # True: keeps working, with a DeprecationWarning; False: ImportError
     instead: str = ""  # the public names to use, where there are some
+    package: bool = False  # a package: each of its modules moved with it (`old.x` -> `new.x`)
+    removed_in: str = REMOVED_IN  # the release that drops the old path ([Note: retiring old paths])
 
     def message(self, old: str) -> str:
         also = f" (or use {self.instead})" if self.instead else ""
         if self.public:
-            return f"{old} is deprecated: import {self.new} instead{also}"
+            return (
+                f"{old} is deprecated: import {self.new} instead{also}; the old path is "
+                f"removed in zerodp {self.removed_in}"
+            )
+        if self.package:
+            return (
+                f"{old} is now {self.new}, an internal package: import from there (its "
+                f"modules moved with it: {old}.<name> is {self.new}.<name>){also}"
+            )
         return f"{old} is now {self.new}, an internal module: import it from there{also}"
+
+    def below(self, rest: str) -> Moved:
+        """The move of module `rest` inside this moved package."""
+        return Moved(f"{self.new}.{rest}", self.public, self.instead, False, self.removed_in)
 
 
 MOVED: dict[str, Moved] = {
@@ -43,7 +68,7 @@ MOVED: dict[str, Moved] = {
         "zerodp.full_state.state_dicts", public=True, instead="zerodp.zero"
     ),
     "zerodp.data": Moved("zerodp.engine.data_loader", public=True),
-    "zerodp.safetensors_stream": Moved("zerodp.checkpoint.safetensors_stream", public=True),
+    "zerodp.safetensors_stream": Moved("zerodp.checkpoint_io.safetensors_stream", public=True),
     "zerodp.managed": Moved(
         "zerodp.full_state.param_managers", public=False, instead="zerodp.zero or zerodp.utils"
     ),
@@ -55,9 +80,9 @@ MOVED: dict[str, Moved] = {
     ),
     # Modules renamed to say what they hold.
     "zerodp.backward.exposure": Moved("zerodp.backward.param_grad_views", public=False),
-    "zerodp.checkpoint.plain": Moved("zerodp.checkpoint.json_state", public=False),
+    "zerodp.checkpoint.plain": Moved("zerodp.checkpoint_io.json_state", public=False),
     "zerodp.checkpoint.deepspeed.targets": Moved(
-        "zerodp.checkpoint.deepspeed.destinations", public=False
+        "zerodp.checkpoint_io.deepspeed.destinations", public=False
     ),
     "zerodp.optim.parts": Moved("zerodp.optim.torch_optimizers", public=False),
     # comm/'s failure handling, moved into comm/faults/ (and renamed), and its other renames.
@@ -69,7 +94,48 @@ MOVED: dict[str, Moved] = {
     "zerodp.comm.teardown": Moved("zerodp.comm.faults.teardown", public=False),
     "zerodp.comm.wrappers": Moved("zerodp.comm.data_parallel_wrappers", public=False),
     "zerodp.comm.objects": Moved("zerodp.comm.object_collectives", public=False),
+    # Packages and modules renamed so that a package's name says what it holds (issue 42): no
+    # two rooms called "group", "checkpoint" apart from DeepSpeed's activation-checkpointing
+    # face, no module name used twice for two things.
+    "zerodp.params": Moved("zerodp.stage3", public=False, package=True),
+    "zerodp.group": Moved("zerodp.group_state", public=False, package=True),
+    "zerodp.checkpoint": Moved("zerodp.checkpoint_io", public=True, package=True),
+    "zerodp.config.compat": Moved("zerodp.config.deepspeed_keys", public=False, package=True),
+    "zerodp.comm.group": Moved("zerodp.comm.process_group", public=False),
+    "zerodp.comm.join": Moved("zerodp.comm.join_protocol", public=False),
+    "zerodp.engine.join": Moved("zerodp.engine.uneven_join", public=False),
+    "zerodp.backward.plan": Moved("zerodp.backward.reduction_plan", public=False),
+    "zerodp.precision.inputs": Moved("zerodp.precision.input_casting", public=False),
+    "zerodp.sequence.inputs": Moved("zerodp.sequence.input_split", public=False),
+    "zerodp.sequence.group": Moved("zerodp.sequence.sequence_group", public=False),
+    "zerodp.optim.tensorwise.plan": Moved("zerodp.optim.tensorwise.ownership", public=False),
 }
+
+
+def moved_from(old: str) -> Moved | None:
+    """What became of `old`: its own entry, else its moved package's (`zerodp.params.x`).
+
+    A name under a public package's new path that is an older name's (`from zerodp.checkpoint
+    import plain` asks for `zerodp.checkpoint_io.plain`: the import system names the aliased
+    parent by its real name) is answered as that older name.
+    """
+    moved = MOVED.get(old)
+    if moved is not None:
+        return moved
+    for former, entry in MOVED.items():
+        if entry.package and entry.public and old.startswith(f"{entry.new}."):
+            older = MOVED.get(former + old.removeprefix(entry.new))
+            if older is not None:
+                return older
+    parent, _, rest = old.partition(".")
+    while rest:
+        head, _, rest_tail = rest.partition(".")
+        parent = f"{parent}.{head}"
+        package = MOVED.get(parent)
+        if package is not None and package.package and rest_tail:
+            return package.below(rest_tail)
+        rest = rest_tail
+    return None
 
 
 def _importer_stacklevel() -> int:
@@ -120,16 +186,24 @@ class OldPathFinder(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None,
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        moved = MOVED.get(fullname)
+        if not fullname.startswith("zerodp."):
+            return None
+        moved = moved_from(fullname)
         if moved is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _OldPathLoader(fullname, moved))
 
 
 def install() -> None:
-    """Append the finder to `sys.meta_path` once (a reload of zerodp does not add another)."""
+    """Put the finder first on `sys.meta_path`, once (a reload of zerodp does not add another).
+
+    First, not last: a moved package's modules (`zerodp.checkpoint.consolidate`) would
+    otherwise be found by the path finder through the aliased parent's `__path__` and loaded
+    a second time under the old name, as a second module object. Nothing real is shadowed:
+    no module exists at an old path (tests/unit/test_old_paths.py checks it).
+    """
     if not any(isinstance(finder, OldPathFinder) for finder in sys.meta_path):
-        sys.meta_path.append(OldPathFinder())
+        sys.meta_path.insert(0, OldPathFinder())
 
 
 def root_attribute(name: str) -> ModuleType:

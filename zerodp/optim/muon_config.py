@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from zerodp.optim.param_groups import ParamGroupSpec
-from zerodp.optim.tensorwise.plan import matrix_view
+from zerodp.optim.tensorwise.ownership import matrix_view
 from zerodp.optim.torch_optimizers import OptimizerSource
 
 KEYWORDS = ("embed", "lm_head")  # names DeepSpeed keeps on Adam whatever their shape

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from zerodp.group import GroupState
+from zerodp.group_state import GroupState
 from zerodp.offload import OffloadPolicy, OffloadStorage, Placement
 
 

@@ -25,7 +25,7 @@ from zerodp.backward.step_gate import StepGate
 from zerodp.comm import Comm
 from zerodp.comm.agreement import agreement
 from zerodp.comm.faults.uneven_inputs import Activity
-from zerodp.group import GroupState
+from zerodp.group_state import GroupState
 from zerodp.optim.grad_norm import (
     NormReduction,
     clip_by_global_norm,
@@ -133,7 +133,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._train_state.skipped_steps
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (zerodp.checkpoint saves whole checkpoints)."""
+        """This rank's shard of the optimizer state (`zerodp.checkpoint_io` saves it all)."""
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerodp.backward.plan import FullReduce, GradStorage, ReductionPlan
+from zerodp.backward.reduction_plan import FullReduce, GradStorage, ReductionPlan
 
 
 @dataclass(frozen=True)

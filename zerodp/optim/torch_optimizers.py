@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from zerodp.group import GroupState
+from zerodp.group_state import GroupState
 from zerodp.optim.tensorwise import TensorwiseStep, UpdatePath, update_path
 from zerodp.torch_internals import init_optimizer_hook_dicts
 

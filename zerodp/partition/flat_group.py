@@ -5,14 +5,14 @@ Every parameter zerodp manages belongs to exactly one `FlatGroup`. The group's
 the world size); each parameter's tensor is a view into it, so one collective
 moves the whole group and no copy is made to or from parameter tensors. The
 words used here (full, shard, owned range, persistent) are defined in
-[Note: zerodp tensors] in `zerodp.group`.
+[Note: zerodp tensors] in `zerodp.group_state`.
 
 - A persistent group keeps its full buffer allocated, and its `shard` is a
   view of it (every group at stages 0-2; small parameters at stage 3).
 - A sharded group (stage 3) keeps a separate `shard`; `free_full()` resizes
   the full buffer's storage to zero in place and `alloc_full()` gives it its
   size back, ready to be refilled; parameters keep pointing at the same
-  storage throughout. See [Note: stage 3 storage] in `zerodp.group.gather`.
+  storage throughout. See [Note: stage 3 storage] in `zerodp.group_state.gather`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class FlatGroup:
     @property
     def trainable(self) -> bool:
         """Whether the group's parameters require grad (its members all agree, see
-        `zerodp.params.init.adopt_init_groups`)."""
+        `zerodp.stage3.init.adopt_init_groups`)."""
         with PlainTensorOps():  # a metadata read: no stage 3 Python dispatch per parameter
             return all(p.requires_grad for p in self.params)
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from zerodp.backward.step_gate import StepGate
-from zerodp.group import GroupIndex
+from zerodp.group_state import GroupIndex
 from zerodp.posttrain.generation import GenerationGather, GenerationReport
 from zerodp.posttrain.holding import ParamRuntime
 from zerodp.posttrain.mode import (

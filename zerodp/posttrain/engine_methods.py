@@ -15,7 +15,7 @@ from torch import nn
 
 from zerodp.comm import Comm
 from zerodp.comm.subgroups import GroupComms
-from zerodp.group import GroupIndex
+from zerodp.group_state import GroupIndex
 from zerodp.posttrain import PostTraining
 from zerodp.posttrain.generation import GenerationReport
 from zerodp.posttrain.holding import ParamRuntime, gatherer_of

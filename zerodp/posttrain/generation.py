@@ -22,7 +22,7 @@ released), so a training step before and after sees the engine exactly as if no
 generation had run; but the groups a forward kept gathered for its backward are
 released on entry, on every rank, since a rank that dropped that forward's
 output has let them go already ([Note: kept for the backward's head] in
-`zerodp.params.forward_graphs`): the backward gathers them again. At stages
+`zerodp.stage3.forward_graphs`): the backward gathers them again. At stages
 0-2 nothing is gathered and no hook is removed; the same gradient rule
 applies, so code behaves alike at every stage. Entering is a collective at
 stage 3: every rank enters, and runs the same forwards inside.
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from zerodp.errors import UsageError
-from zerodp.group import GroupIndex, ParamStatus
+from zerodp.group_state import GroupIndex, ParamStatus
 from zerodp.posttrain.holding import ParamRuntime, gatherer_of
 from zerodp.posttrain.layer_stream import BlockStream, check_blocks, find_blocks
 from zerodp.torch_internals import DetachedHooks

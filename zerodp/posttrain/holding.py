@@ -6,7 +6,7 @@ before: a group held by a `GatheredParameters` block stays gathered; every
 other one is released. A group a forward kept gathered for its backward is
 released first, as on a rank that has let it go already, so that every rank
 gathers alike ([Note: kept for the backward's head] in
-`zerodp.params.forward_graphs`); the backward gathers it again.
+`zerodp.stage3.forward_graphs`); the backward gathers it again.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from zerodp.group import GroupIndex, GroupState, ParamStatus
-from zerodp.params.gatherer import GroupGatherer
-from zerodp.params.runtime import ResidentParams, Stage3Runtime
+from zerodp.group_state import GroupIndex, GroupState, ParamStatus
+from zerodp.stage3.gatherer import GroupGatherer
+from zerodp.stage3.runtime import ResidentParams, Stage3Runtime
 
 ParamRuntime = ResidentParams | Stage3Runtime
 

@@ -22,9 +22,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerodp.errors import UsageError
-from zerodp.group import GroupIndex, GroupState
-from zerodp.params.gatherer import GroupGatherer
+from zerodp.group_state import GroupIndex, GroupState
 from zerodp.posttrain.holding import sharded_groups_of
+from zerodp.stage3.gatherer import GroupGatherer
 
 
 def find_blocks(root: nn.Module) -> list[nn.Module]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from zerodp.errors import UsageError
-from zerodp.group import GroupIndex, ParamStatus
+from zerodp.group_state import GroupIndex, ParamStatus
 from zerodp.torch_internals import storage_key
 
 

@@ -33,10 +33,10 @@ from torch import nn
 
 from zerodp.comm import Comm, Handle
 from zerodp.errors import UsageError
-from zerodp.group import GroupIndex, GroupState
-from zerodp.params.gatherer import GroupGatherer
+from zerodp.group_state import GroupIndex, GroupState
 from zerodp.posttrain.holding import held, sharded_groups_of
 from zerodp.posttrain.peft_merge import LoraMerge, MergedNames
+from zerodp.stage3.gatherer import GroupGatherer
 from zerodp.tensor_parallel import TensorSplit
 from zerodp.torch_internals import PlainTensorOps
 

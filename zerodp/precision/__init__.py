@@ -1,6 +1,6 @@
 """Mixed precision: the dtype policy, fp16 loss scaling, and casting the model's inputs.
 
-The fp32 master weights are each group's optimizer copy (`zerodp.group.OptimizerParam`).
+The fp32 master weights are each group's optimizer copy (`zerodp.group_state.OptimizerParam`).
 """
 
 from zerodp.precision.loss_scaler import LossScaler, loss_scaler_from_config

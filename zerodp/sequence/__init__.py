@@ -23,10 +23,10 @@ a rank holds, what a reduction is divided by) are `zerodp.parallel`'s.
 """
 
 from zerodp.sequence.attention import UlyssesAttention, sequence_parallel_attention
-from zerodp.sequence.group import ForwardMode, SequenceGroup
 from zerodp.sequence.hf_tiling import TiledCompute, TilingSettings
 from zerodp.sequence.loss import count_targets, shift_labels, sum_over_sequence
 from zerodp.sequence.parallel import SequenceParallel
+from zerodp.sequence.sequence_group import ForwardMode, SequenceGroup
 from zerodp.sequence.tiling import tiled_logits_loss, tiled_tokenwise
 
 __all__ = [

@@ -26,7 +26,7 @@ import torch
 
 from zerodp.errors import UsageError
 from zerodp.sequence.all_to_all import heads_to_sequence, sequence_to_heads
-from zerodp.sequence.group import SequenceGroup, active_group
+from zerodp.sequence.sequence_group import SequenceGroup, active_group
 
 
 def key_value_repeats(num_heads: int, num_kv_heads: int, size: int) -> int:

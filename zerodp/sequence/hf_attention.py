@@ -37,7 +37,7 @@ from torch import nn
 from zerodp.errors import UsageError
 from zerodp.sequence.all_to_all import heads_to_sequence
 from zerodp.sequence.attention import to_head_shards
-from zerodp.sequence.group import ForwardMode, SequenceGroup, group_of, sharded_now
+from zerodp.sequence.sequence_group import ForwardMode, SequenceGroup, group_of, sharded_now
 
 PREFIX = "zerodp_sequence_"
 

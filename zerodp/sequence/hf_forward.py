@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from zerodp.errors import UsageError
-from zerodp.sequence.group import ForwardMode, FullSequence, SequenceGroup
-from zerodp.sequence.inputs import split_batch, wants_split
+from zerodp.sequence.input_split import split_batch, wants_split
 from zerodp.sequence.loss import sum_over_sequence
+from zerodp.sequence.sequence_group import ForwardMode, FullSequence, SequenceGroup
 
 
 class SequenceForwardHooks:

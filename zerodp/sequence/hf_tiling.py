@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from zerodp.errors import UsageError
 from zerodp.sequence.hf_attention import hf_model_in
 from zerodp.sequence.hf_forward import forward_keywords
-from zerodp.sequence.inputs import wants_split
+from zerodp.sequence.input_split import wants_split
 from zerodp.sequence.loss import count_targets, shift_labels
 from zerodp.sequence.tiling import Quiet, tiled_logits_loss, tiled_tokenwise
 from zerodp.torch_internals import DetachedHooks

@@ -12,12 +12,12 @@ from torch import nn
 
 from zerodp.comm import Comm
 from zerodp.parallel import ParallelDims, SequenceSlice
-from zerodp.sequence import group as groups
-from zerodp.sequence.group import SequenceGroup
+from zerodp.sequence import sequence_group as groups
 from zerodp.sequence.hf_attention import SwitchedAttention, hf_model_in
 from zerodp.sequence.hf_forward import SequenceForwardHooks
-from zerodp.sequence.inputs import pad_to_slices
+from zerodp.sequence.input_split import pad_to_slices
 from zerodp.sequence.loss import sum_over_sequence
+from zerodp.sequence.sequence_group import SequenceGroup
 
 
 class SequenceParallel:

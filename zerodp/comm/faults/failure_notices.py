@@ -14,7 +14,7 @@ torchrun) before it goes:
   installed at set-up, chained to the one before it). The rank will never join
   another collective.
 - a pass (`forward 3`): a stage 3 forward died part-way on this rank (see
-  `zerodp.params.module_hooks`); it will not join the rest of that pass. If
+  `zerodp.stage3.module_hooks`); it will not join the rest of that pass. If
   every rank failed there together and retries, the notice is stale: a rank
   reads it only while it has not begun a later pass of that kind.
 

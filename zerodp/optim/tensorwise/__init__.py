@@ -28,10 +28,10 @@ what the torch optimizer is handed:
 At stage 0 every rank holds every tensor and steps all of them (nothing
 moves). Checkpoints save tensor-wise state by parameter name, whole, from its
 owner; a load at another world size gives it to the new owner
-(`zerodp.checkpoint.tensors`).
+(`zerodp.checkpoint_io.tensors`).
 """
 
-from zerodp.optim.tensorwise.plan import (
+from zerodp.optim.tensorwise.ownership import (
     ALL_RANKS,
     GroupLayout,
     OwnerPlacement,

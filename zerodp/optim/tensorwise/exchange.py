@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from zerodp.comm import Comm
-from zerodp.optim.tensorwise.plan import Fragment, TensorPlan, TensorTask
+from zerodp.optim.tensorwise.ownership import Fragment, TensorPlan, TensorTask
 
 # The flat tensor of one group a fragment's offset indexes (by group order).
 Source = Callable[[int], torch.Tensor]

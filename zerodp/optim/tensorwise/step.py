@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from zerodp.comm import Comm
-from zerodp.group import GroupState
+from zerodp.group_state import GroupState
 from zerodp.optim.tensorwise.exchange import FragmentExchange
-from zerodp.optim.tensorwise.plan import ALL_RANKS, Fragment, TensorPlan, TensorTask
+from zerodp.optim.tensorwise.ownership import ALL_RANKS, Fragment, TensorPlan, TensorTask
 
 
 class TensorwiseStep:

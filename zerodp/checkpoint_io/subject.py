@@ -1,0 +1,128 @@
+"""What a checkpoint saves and restores, handed over by the engine.
+
+The checkpoint code never sees the engine (as in torchtitan, where the
+checkpointer knows only `Stateful` pieces): tensors come from the model, the
+group records and the torch optimizer; everything else is a piece with
+`state_dict()` / `load_state_dict()` and a `check_state_dict()` that raises
+`CheckpointError` for a saved value it could not load, so that a load can
+check every piece before it changes any.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from zerodp.comm import Comm
+from zerodp.group_state import GroupIndex
+from zerodp.parallel import ParallelDims
+
+
+class Stateful(Protocol):
+    """A piece of training state saved as JSON."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class WholeTensorState(Protocol):
+    """The parameters an optimizer steps whole (see `zerodp.optim.tensorwise`): their optimizer
+    state is held, whole and in its own shape, by the rank that steps each one."""
+
+    names: set[str]  # every parameter stepped whole, by name
+
+    def owned_params(self) -> dict[str, nn.Parameter]:
+        """The whole-tensor optimizer parameters this rank steps, by model parameter name."""
+        ...
+
+
+class CheckedStateful(Stateful, Protocol):
+    """A JSON piece that can say, before anything is loaded, whether a saved state fits it."""
+
+    def check_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class CheckpointSubject:
+    """The engine's state as a checkpoint sees it.
+
+    `check_idle` raises when a checkpoint cannot be taken now (inside a
+    backward); `after_load` makes the model's parameters follow the owned
+    ranges just loaded and zeroes the gradients. The kept gradients
+    themselves are in the group records; `gradients_held` says whether they
+    hold anything (a window's accumulation, saved with the checkpoint; it
+    raises when a backward left them incomplete), `gradients_loaded` is
+    called once a load has filled them, and `local_accumulation` says
+    whether this stage keeps local sums inside a window (stages 0 and 1).
+    """
+
+    comm: Comm
+    module: nn.Module
+    groups: GroupIndex
+    optimizer: torch.optim.Optimizer  # the torch optimizer: its per-parameter state
+    zero_stage: int
+    param_dtype: torch.dtype
+    counters: CheckedStateful
+    optimizer_settings: CheckedStateful
+    loss_scaler: CheckedStateful
+    lr_scheduler: Stateful | None
+    dataloader: Stateful | None
+    check_idle: Callable[[], None]
+    after_load: Callable[[], None]
+    accumulation_steps: int = 1
+    local_accumulation: bool = False
+    loss_scale: Callable[[], float] = lambda: 1.0
+    gradients_held: Callable[[], bool] = lambda: False
+    gradients_loaded: Callable[[], None] = lambda: None
+    # Values written by `param.data = t` since the last step go into the groups first, so
+    # that the save holds what the model shows (see `FlatGroup.adopt_replaced`).
+    before_save: Callable[[], None] = lambda: None
+    whole_tensors: WholeTensorState | None = None  # None: every optimizer steps flat shards
+    # Shard groups that replicate each other (see [Note: shard groups]): how many, and
+    # which one this rank is in. The first writes the shards; each rank reads its own.
+    num_replicas: int = 1
+    replica_index: int = 0
+    # The parallel dimensions (None: the world is one shard group), and with tensor
+    # parallelism the parameters that are slices: every name (tied ones too) -> split dim.
+    dims: ParallelDims | None = None
+    tensor_slices: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def tensor_size(self) -> int:
+        return 1 if self.dims is None else self.dims.tensor_size
+
+    def places(self, *, saving: bool) -> ShardPlaces:
+        """Where the shards a checkpoint tensor describes live (see `ShardPlaces`): a save
+        describes the first replica's (each shard written once), a load this rank's own."""
+        dims = self.dims or ParallelDims.build(self.comm.world_size, self.comm.rank)
+        replica = 0 if saving else dims.replica_index
+        groups = tuple(tuple(dims.shard_group_ranks(replica, t)) for t in range(dims.tensor_size))
+        if saving:
+            return ShardPlaces(groups, whole=0, place=0)
+        return ShardPlaces(groups, whole=dims.tensor_rank, place=dims.shard_rank)
+
+
+@dataclass(frozen=True)
+class ShardPlaces:
+    """Which world rank holds each part of a checkpoint tensor, as DCP's metadata says.
+
+    `groups[t]`: the world ranks of the shard group of tensor rank t, in shard order (one
+    group without tensor parallelism). A parameter left whole is described by
+    `groups[whole]`'s shards. A tensor-parallel slice is saved as part t of a tensor of T
+    slices (slice t at offset t x its size), each slice by its own group; a value every
+    rank of a shard group holds whole (stage 0, a persistent group) by the rank at
+    `place` of each group.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    whole: int = 0
+    place: int = 0
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.groups)

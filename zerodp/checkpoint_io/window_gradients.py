@@ -1,0 +1,269 @@
+"""The kept gradients of a checkpoint taken inside an accumulation window.
+
+A save between micro-steps (or between a backward and its `step()`) keeps
+what the window has accumulated, so a resumed run is bitwise the run that
+was never interrupted. Two forms, per parameter, after the kept
+gradient's `GradSync`:
+
+- `grad.<name>`: an averaged gradient (stages 2 and 3; stages 0 and 1 after
+  their boundary reduction) is one global 1-D tensor, each rank writing the
+  part of its owned range, like the master weights; DCP reshards it.
+- `grad_local.rank<r>.<name>`: a local sum (stages 0 and 1 inside the
+  window) is rank r's own, unreduced. It loads back as it is at the same
+  world size into a stage that accumulates locally (bitwise). Elsewhere
+  every rank reads all of them and takes their average, which is what the
+  boundary reduction would have made of them.
+- `grad_replica<r>.<name>`: a shard group's average (`GradSync.PARTIAL`:
+  stages 2 and 3 with shard groups that replicate each other, inside the
+  window) is replica r's own, written by shard group r. It loads back as it is
+  into the same layout (bitwise); elsewhere every rank reads all of them and
+  takes their average, as the boundary's all-reduce across replicas would.
+
+The description in zerodp_state.json records the accumulation steps (a
+window's gradients only mean something with the same number of micro-steps)
+and the loss scale they carry (fp16), so a load under another scale
+rescales them. "Another scale" is the one the engine has after the load: a
+load with the optimizer state brings the saved loss scaler back (so the
+gradients stay as saved); `load_optimizer_states=False` keeps the engine's
+own scale, and the gradients are rescaled to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerodp.checkpoint_io.subject import CheckpointSubject
+from zerodp.checkpoint_io.tensors import as_entry, param_entries
+from zerodp.errors import CheckpointError
+from zerodp.group_state import GradSync, GroupState
+
+AVERAGED = "grad."
+LOCAL = "grad_local.rank"
+PARTIAL = "grad_replica"
+
+
+def describe(subject: CheckpointSubject) -> dict[str, Any] | None:
+    """What zerodp_state.json says about the kept gradients; None when they hold nothing."""
+    if not subject.gradients_held():
+        return None
+    return {
+        "accumulation_steps": subject.accumulation_steps,
+        "loss_scale": float(subject.loss_scale()),
+        "world_size": subject.comm.world_size,
+        "num_replicas": subject.num_replicas,
+    }
+
+
+def gradient_tensors(subject: CheckpointSubject) -> dict[str, Any]:
+    """This rank's part of every kept gradient, keyed as the module docstring says."""
+    rank = subject.comm.rank
+    # A replica's partial average is its own (each replica writes its own key); the rest is
+    # written by the first replica.
+    own, first = subject.places(saving=False), subject.places(saving=True)
+    out: dict[str, Any] = {}
+    for entry in param_entries(subject):
+        state = entry.state
+        if state is None or state.grads is None:
+            continue
+        kept = state.grads
+        if kept.sync is GradSync.LOCAL:
+            start, end = state.flat.slot_of(entry.position)
+            out[f"{LOCAL}{rank}.{entry.name}"] = kept.storage[start:end]
+        elif kept.sync is GradSync.PARTIAL:
+            key = f"{PARTIAL}{subject.replica_index}.{entry.name}"
+            out[key] = as_entry(kept.owned(), state, entry.position, own)
+        else:
+            out[f"{AVERAGED}{entry.name}"] = as_entry(kept.owned(), state, entry.position, first)
+    return out
+
+
+@dataclass
+class GradientLoad:
+    """Where a load reads the kept gradients, and how it then puts them in place."""
+
+    destinations: dict[str, Any] = field(default_factory=dict)
+    steps: list[Callable[[], None]] = field(default_factory=list)
+    rescale: float = 1.0
+    own_partial: dict[GroupState, torch.Tensor] = field(default_factory=dict)  # per group
+
+    def apply(self, subject: CheckpointSubject) -> None:
+        """After the load (gradients zeroed): fill the kept gradients and mark them held."""
+        if not self.steps:
+            return
+        for step in self.steps:
+            step()
+        if self.rescale != 1.0:
+            for state in subject.groups.trainable:
+                if state.grads is not None:
+                    state.grads.storage.mul_(self.rescale)
+        subject.gradients_loaded()
+
+
+def plan_load(
+    subject: CheckpointSubject,
+    shared: dict[str, Any],
+    saved: dict[str, Any],
+    with_loss_scaler: bool,
+) -> GradientLoad:
+    """Check that the saved gradients fit this engine and plan reading them (nothing changes).
+
+    `with_loss_scaler`: the load restores the saved loss scaler (the optimizer state is
+    loaded), so the scale after the load is the checkpoint's, not the engine's current one.
+    """
+    info = shared.get("gradients")
+    plan = GradientLoad()
+    if info is None:
+        return plan
+    if not isinstance(info, dict) or not all(
+        isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool)
+        for k in ("accumulation_steps", "loss_scale", "world_size")
+    ):
+        raise CheckpointError(
+            "checkpoint state: 'gradients' is damaged; the checkpoint's zerodp_state.json is "
+            "damaged"
+        )
+    if info["accumulation_steps"] != subject.accumulation_steps:
+        raise CheckpointError(
+            "the checkpoint was taken inside an accumulation window of "
+            f"{info['accumulation_steps']} micro-steps (it holds the gradients accumulated so "
+            f"far); this engine accumulates {subject.accumulation_steps}: set "
+            f"gradient_accumulation_steps to {info['accumulation_steps']}, or resume from a "
+            "checkpoint saved at an accumulation boundary"
+        )
+    if not (info["loss_scale"] > 0 and info["world_size"] >= 1):
+        raise CheckpointError("checkpoint state: 'gradients' is damaged (scale or world size)")
+    saved_world = int(info["world_size"])
+    same_layout = saved_world == subject.comm.world_size and subject.local_accumulation
+    saved_replicas = info.get("num_replicas", 1)
+    if not isinstance(saved_replicas, int) or not 1 <= saved_replicas <= saved_world:
+        raise CheckpointError("checkpoint state: 'gradients' is damaged (replicas)")
+    same_replicas = (
+        saved_world == subject.comm.world_size and saved_replicas == subject.num_replicas
+    )
+    fresh: dict[GroupState, torch.Tensor] = {}
+    for entry in param_entries(subject):
+        state = entry.state
+        if state is None or state.grads is None:
+            continue
+        kept = state.grads
+        averaged_key = f"{AVERAGED}{entry.name}"
+        local_keys = [f"{LOCAL}{r}.{entry.name}" for r in range(saved_world)]
+        partial_keys = [f"{PARTIAL}{r}.{entry.name}" for r in range(saved_replicas)]
+        if partial_keys[0] in saved:
+            _plan_partial(plan, subject, entry.position, state, partial_keys, same_replicas)
+        elif averaged_key in saved:
+            owned = fresh.get(state)
+            if owned is None:
+                owned = fresh[state] = torch.zeros_like(kept.owned())
+                plan.steps.append(_put_averaged(state, owned))
+            plan.destinations[averaged_key] = as_entry(
+                owned, state, entry.position, subject.places(saving=False)
+            )
+        elif all(key in saved for key in local_keys):
+            numel = state.flat.layout.slots[entry.position].numel
+            if same_layout:
+                own = torch.zeros(numel, dtype=kept.storage.dtype, device=kept.storage.device)
+                plan.destinations[local_keys[subject.comm.rank]] = own
+                plan.steps.append(_put_local(state, entry.position, own))
+            else:
+                sums = [torch.zeros(numel, dtype=torch.float32) for _ in local_keys]
+                plan.destinations.update(zip(local_keys, sums, strict=True))
+                plan.steps.append(_put_average_of_sums(state, entry.position, sums))
+        elif any(key in saved for key in local_keys):
+            raise CheckpointError(
+                f"the checkpoint's accumulated gradient of '{entry.name}' lacks some ranks' "
+                "parts; the checkpoint is incomplete"
+            )
+    if with_loss_scaler:
+        scale_after_load = float(shared["loss_scaler"]["scale"])  # checked before this
+    else:
+        scale_after_load = float(subject.loss_scale())
+    if scale_after_load != info["loss_scale"]:
+        plan.rescale = scale_after_load / float(info["loss_scale"])
+    return plan
+
+
+def _plan_partial(
+    plan: GradientLoad,
+    subject: CheckpointSubject,
+    position: int,
+    state: GroupState,
+    keys: list[str],
+    same_replicas: bool,
+) -> None:
+    """Shard groups' averages: this replica's own into the same layout, else their average."""
+    kept = state.grads
+    if kept is None:  # pragma: no cover - planned for trainable groups only
+        raise RuntimeError("internal error: no kept gradient")
+    if same_replicas and not kept.covers_full:  # stages 2-3 with the saved shard groups
+        own = plan.own_partial.get(state)
+        if own is None:
+            own = plan.own_partial[state] = torch.zeros_like(kept.owned())
+            plan.steps.append(_put_partial(state, own))
+        places = subject.places(saving=False)
+        plan.destinations[keys[subject.replica_index]] = as_entry(own, state, position, places)
+        return
+    numel = state.flat.layout.slots[position].numel
+    averages = [torch.zeros(numel, dtype=torch.float32) for _ in keys]
+    plan.destinations.update(zip(keys, averages, strict=True))
+    plan.steps.append(_put_average_of_sums(state, position, averages))
+
+
+def _put_partial(state: GroupState, owned: torch.Tensor) -> Callable[[], None]:
+    def put() -> None:
+        kept = state.grads
+        if kept is None:  # pragma: no cover
+            raise RuntimeError("internal error: no kept gradient")
+        kept.owned().copy_(owned)
+        kept.sync = GradSync.PARTIAL
+
+    return put
+
+
+def _put_averaged(state: GroupState, owned: torch.Tensor) -> Callable[[], None]:
+    def put() -> None:
+        kept = state.grads
+        if kept is None:  # pragma: no cover - planned for trainable groups only
+            raise RuntimeError("internal error: no kept gradient")
+        kept.owned().copy_(owned)
+        kept.sync = GradSync.AVERAGED
+
+    return put
+
+
+def _put_local(state: GroupState, position: int, values: torch.Tensor) -> Callable[[], None]:
+    def put() -> None:
+        kept = state.grads
+        if kept is None:  # pragma: no cover
+            raise RuntimeError("internal error: no kept gradient")
+        start, end = state.flat.slot_of(position)
+        kept.storage[start:end].copy_(values)
+        kept.sync = GradSync.LOCAL
+
+    return put
+
+
+def _put_average_of_sums(
+    state: GroupState, position: int, sums: list[torch.Tensor]
+) -> Callable[[], None]:
+    def put() -> None:
+        kept = state.grads
+        if kept is None:  # pragma: no cover
+            raise RuntimeError("internal error: no kept gradient")
+        average = torch.stack(sums).sum(0).div_(len(sums))
+        flat = state.flat
+        if flat.owns_full:
+            start, end = flat.slot_of(position)
+            kept.owned()[start:end].copy_(average)
+        else:
+            overlap = flat.layout.overlap(position, flat.rank)
+            if overlap is not None:
+                part = average[overlap.param_start : overlap.param_start + overlap.numel]
+                kept.owned()[overlap.shard_start : overlap.shard_end].copy_(part)
+        kept.sync = GradSync.AVERAGED
+
+    return put
