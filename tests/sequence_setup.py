@@ -70,6 +70,7 @@ class Case:
     attention: str = "sdpa"  # the model's attention implementation ("eager": its own function)
     dtype: str = "fp32"  # "bf16" and "fp16" need optimizer "sgd" (see MIXED_TOLERANCE)
     monitor: bool = False  # the csv monitor on, its train loss checked (`monitored_losses`)
+    zero_init: bool = False  # zerodp's model built under zero.Init (stage 3), the reference not
     zero: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # further top-level config keys
 
@@ -186,18 +187,27 @@ class Reference:
         """The fp32 value zerodp's master copy of the `index`-th parameter should hold."""
         return param.detach() if self.masters is None else self.masters[index].detach()
 
-    def step(self, step: int, replicas: int) -> tuple[list[list[float]], float]:
-        """Losses [micro][replica] and the grad norm before clipping of optimizer step `step`."""
+    def step(
+        self, step: int, replicas: int, first_replicas: int | None = None
+    ) -> tuple[list[list[float]], float]:
+        """Losses [micro][replica] and the grad norm before clipping of optimizer step `step`.
+
+        `first_replicas`: the data ranks of the window's first micro-batch when they differ
+        (a window saved after it and resumed at another D: each micro-batch is averaged
+        over the ranks that computed it)."""
         case = self.case
         losses = []
-        for micro in range(case.gas):
+        counts = [replicas] * case.gas
+        if first_replicas is not None:
+            counts[0] = first_replicas
+        for micro, ranks in enumerate(counts):
             row = []
-            for replica in range(replicas):
+            for replica in range(ranks):
                 # use_cache=False, as trainers pass it (and zerodp does when it is not given):
                 # with a KV cache transformers does not look for packed sequences.
                 inputs = batch(case, step, micro, replica)
                 loss = self.model(**inputs, use_cache=False).loss
-                (loss * self.scale / (case.gas * replicas)).backward()
+                (loss * self.scale / (case.gas * ranks)).backward()
                 row.append(float(loss.detach()))
             losses.append(row)
         if self.masters is not None:
@@ -303,11 +313,18 @@ def _with_monitor(config: dict[str, Any]) -> dict[str, Any]:
 
 def run_case(case: Case) -> dict[str, Any]:
     """The comparisons of the module doc for one case; what was seen, for the test to check."""
-    model = build_llama(0)
-    model.set_attn_implementation(case.attention)
-    if case.checkpointing:
-        model.gradient_checkpointing_enable()
-    reference = Reference(case, copy.deepcopy(model))
+    if case.zero_init:
+        with zerodp.zero.Init(config=case.config()):
+            model = build_llama(0)
+        plain = build_llama(0)  # the same seed: the same values, whole
+    else:
+        model = build_llama(0)
+        plain = copy.deepcopy(model)
+    for built in (model, plain):
+        built.set_attn_implementation(case.attention)
+        if case.checkpointing:
+            built.gradient_checkpointing_enable()
+    reference = Reference(case, plain)
     given = optimizers(case, model) if case.optimizer == "muon" else None
     config = _with_monitor(case.config()) if case.monitor else case.config()
     engine, _, _, _ = zerodp.initialize(model=model, config=config, optimizer=given)
@@ -345,6 +362,60 @@ def save_after(case: Case, steps: int, directory: str) -> dict[str, float]:
     finally:
         engine.destroy()
     return worst
+
+
+def save_inside_window(case: Case, steps: int, directory: str) -> dict[str, float]:
+    """Train `steps` steps of `case` beside the reference, then the first micro-batch of the
+    next window (its backward only), and save: the checkpoint holds the window's gradients."""
+    if case.gas != 2:
+        raise ValueError("a window of two micro-batches, saved after the first")
+    model = build_llama(0)
+    reference = Reference(case, copy.deepcopy(model))
+    engine, _, _, _ = zerodp.initialize(model=model, config=case.config())
+    try:
+        worst = train_and_compare(case, engine, model, reference, range(steps))
+        out = engine(**batch(case, steps, 0, engine.data_parallel_rank))
+        engine.backward(out.loss)
+        engine.step()  # not a boundary: nothing steps
+        engine.save_checkpoint(directory, tag="window")
+    finally:
+        engine.destroy()
+    return worst
+
+
+def resume_inside_window(
+    saved: Case, saved_replicas: int, steps: int, case: Case, directory: str
+) -> dict[str, Any]:
+    """Load the checkpoint `save_inside_window(saved, steps, ...)` wrote, at `case`'s layout and
+    stage, run the window's second micro-batch, step, and one more step; the reference
+    replays the saved steps, then the window with its first micro-batch averaged over the
+    saved data ranks and its second over this run's."""
+    model = build_llama(0)
+    reference = Reference(case, copy.deepcopy(model))
+    replay = Reference(saved, reference.model)
+    replay.optimizers = reference.optimizers
+    for step in range(steps):
+        replay.step(step, saved_replicas)
+    engine, _, _, _ = zerodp.initialize(model=model, config=case.config())
+    replicas, mine = engine.data_parallel_size, engine.data_parallel_rank
+    tolerance = MIXED_TOLERANCE.get(case.dtype, TOLERANCE)
+    try:
+        path, _ = engine.load_checkpoint(directory, tag="window")
+        if path is None:
+            raise AssertionError(f"no checkpoint loaded from {directory}")
+        losses, norm = reference.step(steps, replicas, first_replicas=saved_replicas)
+        out = engine(**batch(case, steps, 1, mine))
+        where = f"{saved} -> {case}, the window's second micro-batch"
+        worst = {"loss": close(out.loss, losses[1][mine], f"{where}: loss", tolerance)}
+        engine.backward(out.loss)
+        engine.step()
+        worst["norm"] = close(engine.get_global_grad_norm(), norm, f"{where}: norm", tolerance)
+        worst["weights"] = check_weights(model, reference, where, engine)
+        after = train_and_compare(case, engine, model, reference, range(steps + 1, steps + 2))
+        worst = {key: max(value, after[key]) for key, value in worst.items()}
+    finally:
+        engine.destroy()
+    return {"data_parallel_size": replicas, **worst}
 
 
 def resume(

@@ -129,12 +129,13 @@ def _peft_model(seed: int) -> torch.nn.Module:
     return model
 
 
-def merged_streaming_cases(stage: int) -> int:
+def merged_streaming_cases(stage: int, sequence: int = 1) -> int:
     reference = _peft_model(seed=5).merge_and_unload().state_dict(keep_vars=True)
     model = _peft_model(seed=5)
     config = zerodp_config(
         stage, micro_batch=2, optimizer=optimizer_config("AdamW", lr=1e-2), persistence_threshold=0
     )
+    config["sequence_parallel_size"] = sequence
     engine, *_ = zerodp.initialize(model=model, config=config)
     before = [engine.param_status(p) for p in model.parameters()]
     got = dict(engine.full_parameters(bucket_bytes=BUCKET_BYTES, merge_adapters=True))
@@ -148,10 +149,11 @@ def merged_streaming_cases(stage: int) -> int:
     return len(got)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_full_parameters_merge_lora_adapters_as_peft_does(pools, stage: int) -> None:
+@pytest.mark.parametrize(("stage", "sequence"), [(1, 1), (3, 1), (3, 2)])
+def test_full_parameters_merge_lora_adapters_as_peft_does(pools, stage: int, sequence: int) -> None:
+    """With sequence parallelism too (S = 2: the shard group is the sequence group)."""
     pytest.importorskip("peft")
-    pools(2).run(merged_streaming_cases, stage)
+    pools(2).run(merged_streaming_cases, stage, sequence)
 
 
 # -- offload_states / reload_states ----------------------------------------------------

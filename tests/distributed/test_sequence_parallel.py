@@ -42,8 +42,10 @@ from tests.sequence_setup import (
     misuse,
     refused_at_initialize,
     resume,
+    resume_inside_window,
     run_cases,
     save_after,
+    save_inside_window,
     wrapped_attention_case,
 )
 
@@ -57,6 +59,8 @@ WORLD_2 = [
     Case(2, gas=2, clip=0.05, masked_prompt=True),
     Case(2, optimizer="muon", clip=0.05),
     Case(2, zero={"offload_optimizer": {"device": "cpu"}}, clip=0.05),
+    Case(3, optimizer="sgd", zero={"offload_param": {"device": "cpu"}}),
+    Case(3, optimizer="sgd", zero_init=True),
     Case(3, optimizer="sgd", clip=0.05, padding=True),
     Case(2, optimizer="sgd", attention="eager", padding=True, masked_prompt=True),
     Case(3, gas=2, checkpointing=True, masked_prompt=True, packed=True),
@@ -161,6 +165,31 @@ def test_world_4_matches_one_process_and_resumes_across_sizes(pools: Any, tmp_pa
         results = pools(world).run(resume, saved, 1, 2, case, directory)
         expected_replicas = world // case.sequence
         assert all(r["data_parallel_size"] == expected_replicas for r in results), results
+
+
+def test_a_checkpoint_inside_a_window_resumes_at_another_stage_and_layout(
+    pools: Any, tmp_path: Path
+) -> None:
+    """S = 2, D = 1, saved after the window's first micro-batch at a stage that keeps each
+    rank's local sums (0, 1): loaded at stages 2 and 3 (the sums combined as the boundary
+    would: summed over the sequence ranks, divided by the data ranks), in the same layout
+    (the sums as saved), at S = 1 x D = 2 and at S = 2 x D = 2 (SGD: a scale error in the
+    combined sums moves the weights)."""
+    loads = {
+        0: [(2, Case(3, gas=2, optimizer="sgd")), (2, Case(0, gas=2, optimizer="sgd"))],
+        1: [
+            (2, Case(2, gas=2, optimizer="sgd")),
+            (2, Case(3, sequence=1, gas=2, optimizer="sgd")),
+            (4, Case(2, gas=2, optimizer="sgd")),
+        ],
+    }
+    for saved_stage, targets in loads.items():
+        saved = Case(saved_stage, gas=2, optimizer="sgd")
+        directory = str(tmp_path / f"window{saved_stage}")
+        pools(2).run(save_inside_window, saved, 1, directory)
+        for world, case in targets:
+            results = pools(world).run(resume_inside_window, saved, 1, 1, case, directory)
+            assert all(r["weights"] <= 1e-5 for r in results), results
 
 
 def long_sequence_example() -> dict[str, Any]:

@@ -39,7 +39,7 @@ MESHES = [
 def _coordinates(dims: ParallelDims, rank: int) -> tuple[int, int, int, int]:
     """(r, z, s, t) of `rank`, from the definition."""
     t_size, s_size = dims.tensor_size, dims.sequence_size
-    z_size = dims.shard_size // s_size
+    z_size = dims.shard_group_size // s_size
     t = rank % t_size
     s = rank // t_size % s_size
     z = rank // (t_size * s_size) % z_size
@@ -74,7 +74,7 @@ def test_groups_follow_the_mesh(world: int, shard: int, seq: int, tensor: int, h
         dims = ParallelDims.build(
             world,
             rank,
-            shard_size=shard,
+            shard_group_size=shard,
             sequence_size=seq,
             tensor_size=tensor,
             secondary_size=hpz,
@@ -99,14 +99,14 @@ def test_the_ranks_holding_the_same_values_are_the_slice_group() -> None:
     ranks of one tensor rank (a shard group and its replicas) do, and a checkpoint's
     shards of tensor rank t live on that tensor rank's shard groups."""
     assert ParallelDims.build(4, 1).same_values_label() == WORLD
-    dims = ParallelDims.build(8, 5, shard_size=2, tensor_size=2)
+    dims = ParallelDims.build(8, 5, shard_group_size=2, tensor_size=2)
     assert dims.same_values_label() == SLICE
     assert dims.own_group(SLICE) == [1, 3, 5, 7]
     assert dims.shard_group_ranks(0, 1) == [1, 3] and dims.shard_group_ranks(1, 0) == [4, 6]
     assert dims.own_group(SHARD) == dims.shard_group_ranks(dims.replica_index, 1)
     # T over every rank: each shard group is one rank, and still a group of its own.
     alone = ParallelDims.build(2, 0, tensor_size=2)
-    assert alone.shard_size == 1 and alone.needs_group(SHARD) and not alone.needs_group(SLICE)
+    assert alone.shard_group_size == 1 and alone.needs_group(SHARD) and not alone.needs_group(SLICE)
     assert not ParallelDims.build(4, 0).needs_group(SHARD)
 
 
@@ -134,7 +134,9 @@ def test_the_divisors_average_over_every_data_rank_once(
 ) -> None:
     """Summed over a shard group then a replica group, each divided as the dims say, a
     gradient is the sum over the sequence ranks averaged over the data ranks."""
-    dims = ParallelDims.build(world, 0, shard_size=shard, sequence_size=seq, tensor_size=tensor)
+    dims = ParallelDims.build(
+        world, 0, shard_group_size=shard, sequence_size=seq, tensor_size=tensor
+    )
     total = dims.gradient_divisor(SHARD) * dims.gradient_divisor(REPLICA)
     assert total == dims.data_size == world // (seq * tensor)
     with pytest.raises(ValueError, match="not reduced over 'tensor'"):
@@ -142,7 +144,7 @@ def test_the_divisors_average_over_every_data_rank_once(
 
 
 def test_a_norm_counts_each_element_once() -> None:
-    dims = ParallelDims.build(8, 0, shard_size=2, tensor_size=2)
+    dims = ParallelDims.build(8, 0, shard_group_size=2, tensor_size=2)
     assert dims.norm_sum_groups(sharded=True) == (SHARD,)  # replicas hold copies
     assert dims.norm_sum_groups(sharded=False) == ()  # stage 0: every rank holds it all
     assert dims.norm_sum_groups(sharded=True, tensor_split=True) == (SHARD, TENSOR)
@@ -166,7 +168,7 @@ def test_sizes_that_do_not_fit_name_the_fix(
     world: int, shard: int, seq: int, tensor: int, expected: str
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
-        ParallelDims.build(world, 0, shard_size=shard, sequence_size=seq, tensor_size=tensor)
+        ParallelDims.build(world, 0, shard_group_size=shard, sequence_size=seq, tensor_size=tensor)
 
 
 @pytest.mark.parametrize("length", [1, 7, 12, 13, 16, 17])
@@ -208,3 +210,103 @@ def test_sequence_and_tensor_dimensions_compose() -> None:
     assert (dims.data_size, dims.data_index) == (2, 1)
     assert dims.gradient_divisor(SHARD) == 2  # the data ranks of the shard group
     assert dims.norm_sum_groups(sharded=True, tensor_split=True) == (SHARD, TENSOR)
+
+
+@pytest.mark.parametrize(("world", "shard", "seq", "tensor", "hpz"), MESHES)
+def test_saved_window_sums_combine_as_the_boundary_reduction_would(
+    world: int, shard: int, seq: int, tensor: int, hpz: int
+) -> None:
+    """Each rank's local sum, combined as the saved dims say, is the sum over the sequence
+    ranks averaged over the data ranks of the ranks holding that tensor slice: checked against
+    the mesh's definition with a closed form (rank r contributes r + 1)."""
+    dims = ParallelDims.build(
+        world, 0, shard_group_size=shard, sequence_size=seq, tensor_size=tensor
+    )
+    data = world // (seq * tensor)
+    for t in range(tensor):
+        sources = dims.window_sum_sources(t)
+        assert sorted(sources.ranks) == [r for r in range(world) if _coordinates(dims, r)[3] == t]
+        assert sources.divisor == data
+        # Per data rank, the sequence ranks' parts add up; the data ranks are averaged.
+        expected = sum(r + 1 for r in range(world) if _coordinates(dims, r)[3] == t) / data
+        assert sum(r + 1 for r in sources.ranks) / sources.divisor == expected
+    with pytest.raises(ValueError, match="tensor rank"):
+        dims.window_sum_sources(tensor)
+
+
+@pytest.mark.parametrize(("world", "shard", "seq", "tensor", "hpz"), MESHES)
+def test_dims_round_trip_through_a_checkpoint_record(
+    world: int, shard: int, seq: int, tensor: int, hpz: int
+) -> None:
+    dims = ParallelDims.build(
+        world, 3, shard_group_size=shard, secondary_size=hpz, sequence_size=seq, tensor_size=tensor
+    )
+    back = ParallelDims.from_record(dims.to_record(), rank=3)
+    assert back == dims and back.same_layout(dims)
+    other = ParallelDims.from_record({**dims.to_record(), "world_size": world * 2}, rank=3)
+    assert not other.same_layout(dims)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        {"world_size": 4},
+        {
+            "world_size": 4,
+            "shard_group_size": 4,
+            "secondary_size": 1,
+            "sequence_size": 3,
+            "tensor_size": 1,
+        },
+        {
+            "world_size": True,
+            "shard_group_size": 1,
+            "secondary_size": 1,
+            "sequence_size": 1,
+            "tensor_size": 1,
+        },
+        {
+            "world_size": 0,
+            "shard_group_size": 1,
+            "secondary_size": 1,
+            "sequence_size": 1,
+            "tensor_size": 1,
+        },
+    ],
+)
+def test_a_damaged_dims_record_is_refused(record: object) -> None:
+    with pytest.raises(ValueError):
+        ParallelDims.from_record(record)
+
+
+def test_an_unknown_kind_of_group_is_an_error_not_the_world() -> None:
+    dims = ParallelDims.build(4, 1, sequence_size=2)
+    assert dims.groups_of(WORLD) == [[0, 1, 2, 3]] and dims.group_size(WORLD) == 4
+    with pytest.raises(ValueError, match="no kind of group is called 'sequnce'"):
+        dims.groups_of("sequnce")
+    with pytest.raises(ValueError, match="no kind of group is called 'expert'"):
+        dims.group_size("expert")
+
+
+def test_a_reported_loss_is_averaged_over_the_data_ranks() -> None:
+    """Every rank of a sequence and tensor group reports its batch's loss alike: summed over
+    the world, each data rank's loss is counted S x T times."""
+    for world, seq, tensor in ((8, 2, 2), (8, 1, 1), (8, 4, 1), (6, 1, 3)):
+        dims = ParallelDims.build(world, 0, sequence_size=seq, tensor_size=tensor)
+        losses = {d: float(d + 1) for d in range(dims.data_size)}  # one loss per data rank
+        reported = [
+            losses[ParallelDims.build(world, r, sequence_size=seq, tensor_size=tensor).data_index]
+            for r in range(world)
+        ]
+        mean = sum(losses.values()) / len(losses)
+        assert sum(reported) / dims.reported_value_divisor() == pytest.approx(mean)
+        assert dims.ranks_per_batch == seq * tensor
+
+
+def test_a_world_sum_of_tensor_slices_has_no_divisor() -> None:
+    assert ParallelDims.build(4, 0, sequence_size=2).gradient_divisor(WORLD) == 2
+    dims = ParallelDims.build(4, 0, tensor_size=2)
+    assert dims.gradient_divisor(SLICE) == 2
+    with pytest.raises(ValueError, match="slice group"):
+        dims.gradient_divisor(WORLD)

@@ -38,19 +38,22 @@ def test_the_batch_sizes_count_the_data_ranks_as_deepspeed_does() -> None:
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"zero_optimization": {"stage": 2, "mics_shard_size": 2}}, "mics_shard_size' to -1"),
+        (
+            {"zero_optimization": {"stage": 2, "mics_shard_size": 2}},
+            "mics_shard_size 2: zerodp does not combine sequence parallelism with shard groups",
+        ),
         (
             {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
-            "zero_hpz_partition_size' to 1",
+            "set zero_optimization.zero_hpz_partition_size to 1",
         ),
-        ({"compile": {"enabled": True}}, "compile.enabled' to false"),
-        ({"eigenvalue": {"enabled": True}}, "eigenvalue.enabled' to false"),
+        ({"compile": {"enabled": True}}, "set compile.enabled to false"),
+        ({"eigenvalue": {"enabled": True}}, "set eigenvalue.enabled to false"),
     ],
 )
 def test_what_does_not_compose_yet_is_refused_naming_the_pair(
     extra: dict[str, object], named: str
 ) -> None:
-    with pytest.raises(ConfigError, match="sequence_parallel_size' is 2 with") as caught:
+    with pytest.raises(ConfigError, match="sequence_parallel_size 2 with") as caught:
         load_config(config(**extra), world_size=4)
     assert named in str(caught.value)
     load_config({**config(**extra), "sequence_parallel_size": 1}, world_size=4)  # fine alone

@@ -244,3 +244,25 @@ def test_families_without_a_plan_need_one(name: str) -> None:
     model = BUILDERS[name]()
     with pytest.raises(ConfigError, match="has no tensor-parallel plan of its own"):
         read_plan(model, None)
+
+
+def test_a_models_own_plan_that_matches_none_of_its_modules_is_an_error() -> None:
+    """Not a model left whole on every rank without a word: its plan names other modules
+    (here: the Llama's plan under a wrapper that prefixes every name)."""
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = build_llama()
+            self._tp_plan = read_plan(self.inner, None).entries  # the inner model's names
+
+    model = Wrapped()
+    plan = read_plan(model, {p: s.value for p, s in model._tp_plan.items()})
+    assert plan.source is PlanSource.CONFIG  # a config plan: each unmatched pattern named
+    own = read_plan(model, None)
+    assert own.source is PlanSource.MODEL
+    with pytest.raises(ConfigError, match="matches none of its modules"):
+        plan_split(model, own, 2)
+    # The same plan, its names as the wrapper has them, splits.
+    rooted = {f"inner.{p}": s.value for p, s in model._tp_plan.items()}
+    assert plan_split(model, read_plan(model, rooted), 2).targets

@@ -26,7 +26,7 @@ LOCAL = NodeSize(8, "LOCAL_WORLD_SIZE")
 
 
 def test_groups_of_two_nodes_of_four_with_shard_groups_of_two() -> None:
-    dims = ParallelDims.build(8, 5, shard_size=2)
+    dims = ParallelDims.build(8, 5, shard_group_size=2)
     assert dims.shard_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert (dims.shard_rank, dims.replica_index, dims.num_replicas) == (1, 2, 4)
@@ -42,11 +42,11 @@ def _crosses_nodes(dims: ParallelDims, label: str, node_size: int) -> bool:
 
 
 def test_hpz_groups_lie_inside_the_shard_group() -> None:
-    flat = ParallelDims.build(16, 9, shard_size=16, secondary_size=8)
+    flat = ParallelDims.build(16, 9, shard_group_size=16, secondary_size=8)
     assert flat.keeps_secondary and not flat.hybrid
     assert flat.own_group("secondary") == list(range(8, 16))
     assert not _crosses_nodes(flat, "secondary", 8) and _crosses_nodes(flat, "shard", 8)
-    same = ParallelDims.build(16, 9, shard_size=8, secondary_size=8)
+    same = ParallelDims.build(16, 9, shard_group_size=8, secondary_size=8)
     assert not same.keeps_secondary  # the shard group is that small already
 
 

@@ -16,6 +16,7 @@ from zerodp.checkpoint_io.report import LoadReport
 from zerodp.checkpoint_io.save_load import load_checkpoint
 from zerodp.checkpoint_io.subject import CheckpointSubject
 from zerodp.errors import CheckpointError
+from zerodp.parallel.composition import Feature, refusal_for
 
 
 def load_any_checkpoint(
@@ -36,13 +37,9 @@ def load_any_checkpoint(
             f"ranks see different checkpoints under '{load_dir}' ({sorted(set(map(str, seen)))}); "
             "put it on storage every rank reads alike"
         )
-    if files is not None and subject.tensor_size > 1:
-        raise CheckpointError(
-            f"'{files.folder}' is a DeepSpeed checkpoint; loading one into an engine with "
-            f"tensor_parallel.autotp_size {subject.tensor_size} is not implemented: load it at "
-            "autotp_size 1, save the weights (engine.save_16bit_model), and load those with "
-            "engine.load_state_dict() into the tensor-parallel engine"
-        )
+    refused = refusal_for(Feature.DEEPSPEED_CHECKPOINT, subject.dims)
+    if files is not None and refused is not None:
+        raise CheckpointError(f"'{files.folder}' is a DeepSpeed checkpoint: {refused}")
     if files is not None:
         return load_deepspeed_checkpoint(subject, files, options)
     path, client, left = load_checkpoint(subject, load_dir, options)

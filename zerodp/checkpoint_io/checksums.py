@@ -28,10 +28,9 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
 
-from zerodp.checkpoint_io.paths import write_file_synced
+from zerodp.checkpoint_io.paths import CHECKSUM_FILE, write_file_synced
 from zerodp.errors import CheckpointError
 
-CHECKSUM_FILE = "checksums.json"
 ALGORITHM = "xxh3_64"
 _BLOCK = 16 * 2**20
 

@@ -31,6 +31,9 @@ from typing import Any
 from zerodp.errors import CheckpointError, CheckpointPathError, CheckpointStorageError
 
 LATEST = "latest"
+# The file a checkpoint is complete with: every rank's checksums (`zerodp.checkpoint_io.checksums`
+# writes it, last); named here, with the folder's other rules, so the commit can look for it.
+CHECKSUM_FILE = "checksums.json"
 TEMP_PREFIX = ".tmp."
 
 
@@ -265,8 +268,6 @@ def clean_leftovers(directory: Path, keep: str | None = None) -> list[str]:
 def _complete_temporaries(directory: Path, tag: str) -> list[Path]:
     """The copies of `tag` a commit cut short left (see [Note: atomic commit]): only where
     the old directory was renamed aside, the new one first, each only when complete."""
-    from zerodp.checkpoint_io.checksums import CHECKSUM_FILE
-
     found = []
     prefix = f"{TEMP_PREFIX}old.{tag}."
     for displaced in sorted(directory.glob(f"{glob.escape(prefix)}*")):

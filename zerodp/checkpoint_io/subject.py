@@ -83,23 +83,21 @@ class CheckpointSubject:
     # that the save holds what the model shows (see `FlatGroup.adopt_replaced`).
     before_save: Callable[[], None] = lambda: None
     whole_tensors: WholeTensorState | None = None  # None: every optimizer steps flat shards
-    # Shard groups that replicate each other (see [Note: shard groups]): how many, and
-    # which one this rank is in. The first writes the shards; each rank reads its own.
-    num_replicas: int = 1
-    replica_index: int = 0
-    # The parallel dimensions (None: the world is one shard group), and with tensor
-    # parallelism the parameters that are slices: every name (tied ones too) -> split dim.
-    dims: ParallelDims | None = None
+    # The parallel dimensions (with shard groups that replicate each other, see [Note: shard
+    # groups], the first replica writes the shards; each rank reads its own), and with tensor
+    # parallelism the parameters that are slices:
+    # every name (tied ones too) -> split dim.
+    dims: ParallelDims = field(kw_only=True)
     tensor_slices: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def tensor_size(self) -> int:
-        return 1 if self.dims is None else self.dims.tensor_size
+        return self.dims.tensor_size
 
     def places(self, *, saving: bool) -> ShardPlaces:
         """Where the shards a checkpoint tensor describes live (see `ShardPlaces`): a save
         describes the first replica's (each shard written once), a load this rank's own."""
-        dims = self.dims or ParallelDims.build(self.comm.world_size, self.comm.rank)
+        dims = self.dims
         replica = 0 if saving else dims.replica_index
         groups = tuple(tuple(dims.shard_group_ranks(replica, t)) for t in range(dims.tensor_size))
         if saving:

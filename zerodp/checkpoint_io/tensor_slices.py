@@ -18,6 +18,7 @@ import torch
 
 from zerodp.checkpoint_io.subject import CheckpointSubject
 from zerodp.errors import CheckpointError
+from zerodp.parallel.composition import Feature, refusal_for
 
 KEY = "tensor_parallel"
 _DAMAGED = "the checkpoint's zerodp_state.json is damaged"
@@ -31,14 +32,10 @@ def describe(subject: CheckpointSubject) -> dict[str, Any] | None:
 
 
 def check_can_save(subject: CheckpointSubject) -> None:
-    """A window's kept gradients are not saved with tensor parallelism yet."""
-    if subject.tensor_size > 1 and subject.gradients_held():
-        raise CheckpointError(
-            "saving a checkpoint inside an accumulation window with "
-            f"tensor_parallel.autotp_size {subject.tensor_size}: the window's kept gradients "
-            "are not saved with tensor parallelism yet; save at an accumulation boundary "
-            "(after engine.step() has stepped the optimizer)"
-        )
+    """A save inside an accumulation window, where the composition table refuses it."""
+    refused = refusal_for(Feature.WINDOW_CHECKPOINT, subject.dims)
+    if refused is not None and subject.gradients_held():
+        raise CheckpointError(refused)
 
 
 def saved_size(shared: dict[str, Any]) -> int:

@@ -9,18 +9,21 @@ gradient's `GradSync`:
   their boundary reduction) is one global 1-D tensor, each rank writing the
   part of its owned range, like the master weights; DCP reshards it.
 - `grad_local.rank<r>.<name>`: a local sum (stages 0 and 1 inside the
-  window) is rank r's own, unreduced. It loads back as it is at the same
-  world size into a stage that accumulates locally (bitwise). Elsewhere
-  every rank reads all of them and takes their average, which is what the
-  boundary reduction would have made of them.
+  window) is rank r's own, unreduced. It loads back as it is into the same
+  layout at a stage that accumulates locally (bitwise). Elsewhere every rank
+  reads the sums the saved dims name (`ParallelDims.window_sum_sources`: the
+  saved ranks of its tensor slice, summed over sequence ranks, divided by the
+  data ranks), which is what the boundary reduction would have made of them.
 - `grad_replica<r>.<name>`: a shard group's average (`GradSync.PARTIAL`:
   stages 2 and 3 with shard groups that replicate each other, inside the
   window) is replica r's own, written by shard group r. It loads back as it is
   into the same layout (bitwise); elsewhere every rank reads all of them and
   takes their average, as the boundary's all-reduce across replicas would.
 
-The description in zerodp_state.json records the accumulation steps (a
-window's gradients only mean something with the same number of micro-steps)
+The description in zerodp_state.json records the parallel dims the window was
+kept under (`ParallelDims.to_record`; how the saved parts combine is theirs to
+say, not this module's), the accumulation steps (a window's gradients only
+mean something with the same number of micro-steps)
 and the loss scale they carry (fp16), so a load under another scale
 rescales them. "Another scale" is the one the engine has after the load: a
 load with the optimizer state brings the saved loss scaler back (so the
@@ -40,6 +43,7 @@ from zerodp.checkpoint_io.subject import CheckpointSubject
 from zerodp.checkpoint_io.tensors import as_entry, param_entries
 from zerodp.errors import CheckpointError
 from zerodp.group_state import GradSync, GroupState
+from zerodp.parallel import REPLICA, ParallelDims
 
 AVERAGED = "grad."
 LOCAL = "grad_local.rank"
@@ -54,7 +58,8 @@ def describe(subject: CheckpointSubject) -> dict[str, Any] | None:
         "accumulation_steps": subject.accumulation_steps,
         "loss_scale": float(subject.loss_scale()),
         "world_size": subject.comm.world_size,
-        "num_replicas": subject.num_replicas,
+        "num_replicas": subject.dims.num_replicas,
+        "dims": subject.dims.to_record(),
     }
 
 
@@ -74,7 +79,7 @@ def gradient_tensors(subject: CheckpointSubject) -> dict[str, Any]:
             start, end = state.flat.slot_of(entry.position)
             out[f"{LOCAL}{rank}.{entry.name}"] = kept.storage[start:end]
         elif kept.sync is GradSync.PARTIAL:
-            key = f"{PARTIAL}{subject.replica_index}.{entry.name}"
+            key = f"{PARTIAL}{subject.dims.replica_index}.{entry.name}"
             out[key] = as_entry(kept.owned(), state, entry.position, own)
         else:
             out[f"{AVERAGED}{entry.name}"] = as_entry(kept.owned(), state, entry.position, first)
@@ -136,14 +141,11 @@ def plan_load(
         )
     if not (info["loss_scale"] > 0 and info["world_size"] >= 1):
         raise CheckpointError("checkpoint state: 'gradients' is damaged (scale or world size)")
-    saved_world = int(info["world_size"])
-    same_layout = saved_world == subject.comm.world_size and subject.local_accumulation
-    saved_replicas = info.get("num_replicas", 1)
-    if not isinstance(saved_replicas, int) or not 1 <= saved_replicas <= saved_world:
-        raise CheckpointError("checkpoint state: 'gradients' is damaged (replicas)")
-    same_replicas = (
-        saved_world == subject.comm.world_size and saved_replicas == subject.num_replicas
-    )
+    saved_dims = _saved_dims(info)
+    same_dims = saved_dims.same_layout(subject.dims)
+    same_layout = same_dims and subject.local_accumulation
+    sources = saved_dims.window_sum_sources(subject.dims.tensor_rank)
+    saved_replicas = saved_dims.num_replicas
     fresh: dict[GroupState, torch.Tensor] = {}
     for entry in param_entries(subject):
         state = entry.state
@@ -151,10 +153,11 @@ def plan_load(
             continue
         kept = state.grads
         averaged_key = f"{AVERAGED}{entry.name}"
-        local_keys = [f"{LOCAL}{r}.{entry.name}" for r in range(saved_world)]
+        local_keys = [f"{LOCAL}{r}.{entry.name}" for r in sources.ranks]
         partial_keys = [f"{PARTIAL}{r}.{entry.name}" for r in range(saved_replicas)]
         if partial_keys[0] in saved:
-            _plan_partial(plan, subject, entry.position, state, partial_keys, same_replicas)
+            divisor = saved_dims.gradient_divisor(REPLICA)
+            _plan_partial(plan, subject, entry.position, state, partial_keys, same_dims, divisor)
         elif averaged_key in saved:
             owned = fresh.get(state)
             if owned is None:
@@ -172,7 +175,7 @@ def plan_load(
             else:
                 sums = [torch.zeros(numel, dtype=torch.float32) for _ in local_keys]
                 plan.destinations.update(zip(local_keys, sums, strict=True))
-                plan.steps.append(_put_average_of_sums(state, entry.position, sums))
+                plan.steps.append(_put_combined_sums(state, entry.position, sums, sources.divisor))
         elif any(key in saved for key in local_keys):
             raise CheckpointError(
                 f"the checkpoint's accumulated gradient of '{entry.name}' lacks some ranks' "
@@ -187,6 +190,32 @@ def plan_load(
     return plan
 
 
+def _saved_dims(info: dict[str, Any]) -> ParallelDims:
+    """The dims the window was kept under. A checkpoint from before they were recorded was
+    saved without sequence or tensor parallelism where it kept local sums (the only layouts
+    whose window loads were right then): its world ranks are its data ranks."""
+    record = info.get("dims")
+    if record is None:
+        world = info["world_size"]
+        replicas = info.get("num_replicas", 1)
+        if not isinstance(replicas, int) or replicas < 1 or world % replicas:
+            raise CheckpointError("checkpoint state: 'gradients' is damaged (replicas)")
+        record = {
+            "world_size": world,
+            "shard_group_size": world // replicas,
+            "secondary_size": 1,
+            "sequence_size": 1,
+            "tensor_size": 1,
+        }
+    try:
+        return ParallelDims.from_record(record)
+    except ValueError as caught:
+        raise CheckpointError(
+            f"checkpoint state: 'gradients.dims' is damaged ({caught}); the checkpoint's "
+            "zerodp_state.json is damaged"
+        ) from None
+
+
 def _plan_partial(
     plan: GradientLoad,
     subject: CheckpointSubject,
@@ -194,8 +223,10 @@ def _plan_partial(
     state: GroupState,
     keys: list[str],
     same_replicas: bool,
+    divisor: int,
 ) -> None:
-    """Shard groups' averages: this replica's own into the same layout, else their average."""
+    """Shard groups' averages: this replica's own into the same layout, else their average
+    over the saved replicas (`divisor`, asked of the saved dims)."""
     kept = state.grads
     if kept is None:  # pragma: no cover - planned for trainable groups only
         raise RuntimeError("internal error: no kept gradient")
@@ -205,12 +236,12 @@ def _plan_partial(
             own = plan.own_partial[state] = torch.zeros_like(kept.owned())
             plan.steps.append(_put_partial(state, own))
         places = subject.places(saving=False)
-        plan.destinations[keys[subject.replica_index]] = as_entry(own, state, position, places)
+        plan.destinations[keys[subject.dims.replica_index]] = as_entry(own, state, position, places)
         return
     numel = state.flat.layout.slots[position].numel
     averages = [torch.zeros(numel, dtype=torch.float32) for _ in keys]
     plan.destinations.update(zip(keys, averages, strict=True))
-    plan.steps.append(_put_average_of_sums(state, position, averages))
+    plan.steps.append(_put_combined_sums(state, position, averages, divisor))
 
 
 def _put_partial(state: GroupState, owned: torch.Tensor) -> Callable[[], None]:
@@ -247,14 +278,16 @@ def _put_local(state: GroupState, position: int, values: torch.Tensor) -> Callab
     return put
 
 
-def _put_average_of_sums(
-    state: GroupState, position: int, sums: list[torch.Tensor]
+def _put_combined_sums(
+    state: GroupState, position: int, sums: list[torch.Tensor], divisor: int
 ) -> Callable[[], None]:
+    """The saved parts summed and divided by what the saved dims say (never counted here)."""
+
     def put() -> None:
         kept = state.grads
         if kept is None:  # pragma: no cover
             raise RuntimeError("internal error: no kept gradient")
-        average = torch.stack(sums).sum(0).div_(len(sums))
+        average = torch.stack(sums).sum(0).div_(divisor)
         flat = state.flat
         if flat.owns_full:
             start, end = flat.slot_of(position)

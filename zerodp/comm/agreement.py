@@ -50,20 +50,18 @@ import datetime
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zerodp.comm import object_collectives
 from zerodp.comm.faults.collective_history import passes_through
+from zerodp.comm.faults.comm_view import AgreeingComm
 from zerodp.comm.faults.polled_waits import wait_timed
 from zerodp.comm.faults.teardown import abort_group
 from zerodp.comm.faults.uneven_inputs import Activity, Place, uneven_inputs_error, whereabouts
 from zerodp.errors import UnevenInputsError
-
-if TYPE_CHECKING:
-    from zerodp.comm.collectives import Comm
 
 _CODES = {activity: code for code, activity in enumerate(Activity)}
 
@@ -85,7 +83,7 @@ class Agreement:
 
     # -- set-up ----------------------------------------------------------------------
 
-    def install(self, comm: Comm, timeout: datetime.timedelta | None) -> None:
+    def install(self, comm: AgreeingComm, timeout: datetime.timedelta | None) -> None:
         """Make the agreement group beside the default group, once (a collective: every rank
         calls it, after the start-up check). Nothing where `comm` does not watch stalls."""
         if not comm.watches_stalls or comm.group is not None:
@@ -127,7 +125,7 @@ class Agreement:
             whereabouts().activity = before
             self.pending = False
 
-    def agree_now(self, comm: Comm, activity: Activity, what: str) -> None:
+    def agree_now(self, comm: AgreeingComm, activity: Activity, what: str) -> None:
         """Begin `activity` and agree on it at once, before `what` (an optimizer step, which
         changes nothing until the ranks agreed)."""
         self.begin(activity)
@@ -135,7 +133,7 @@ class Agreement:
 
     # -- before a collective ---------------------------------------------------------
 
-    def before(self, comm: Comm, kind: str) -> None:
+    def before(self, comm: AgreeingComm, kind: str) -> None:
         """Called before every collective of `comm` (the default group's `Comm`)."""
         if self.failed is not None:
             raise UnevenInputsError(str(self.failed))
@@ -159,7 +157,7 @@ class Agreement:
         self.failed = None
         whereabouts().activity = Activity.TRAINING
 
-    def _agree(self, comm: Comm, kind: str, group: Any) -> None:
+    def _agree(self, comm: AgreeingComm, kind: str, group: Any) -> None:
         place = whereabouts().here(comm.rank, "")
         record = comm.history.issue(f"agreement before {kind}", 6 * 8)
         values = [_CODES[place.activity], place.steps, place.micro_steps]
@@ -181,7 +179,7 @@ class Agreement:
         raise UnevenInputsError(str(self.failed))
 
     @staticmethod
-    def _wait(comm: Comm, record: Any, group: Any, work: Any) -> None:
+    def _wait(comm: AgreeingComm, record: Any, group: Any, work: Any) -> None:
         """Wait for one of the agreement's collectives as for any: polled, so that a rank
         that ended or is stuck elsewhere is heard; a failure names the agreement."""
         on_stall = comm.on_stall

@@ -146,14 +146,14 @@ def group_comms(
         dims = ParallelDims.build(
             world_size,
             world.rank,
-            shard_size=shard_size,
+            shard_group_size=shard_size,
             secondary_size=secondary_size,
             sequence_size=sequence_size,
             tensor_size=tensor_size,
         )
         node = _agreed_node_size(world)
         # A shard group spreads over shard_size x tensor_size consecutive ranks.
-        span = dims.shard_size * dims.tensor_size
+        span = dims.shard_group_size * dims.tensor_size
         problems = check_sizes(world_size, node, span, secondary_size)
         if problems:
             raise ConfigError("; ".join(problems))
@@ -187,7 +187,7 @@ def _warn_without_effect(dims: ParallelDims) -> None:
     if dims.rank == 0 and dims.secondary_size > 1 and not dims.keeps_secondary:
         warnings.warn(
             f"zero_optimization.zero_hpz_partition_size {dims.secondary_size} has no effect: "
-            f"the shard group has {dims.shard_size} ranks already, so every gather stays "
+            f"the shard group has {dims.shard_group_size} ranks already, so every gather stays "
             "inside a group that size; no secondary copy is kept",
             ConfigWarning,
             stacklevel=3,

@@ -27,7 +27,6 @@ from typing import Any, TypeAlias
 from zerodp.config.auto import AutoHints, resolve_auto
 from zerodp.config.batch import BatchSizes, resolve_batch_sizes
 from zerodp.config.deepspeed_keys import Notice, format_notice, translate
-from zerodp.config.errors import show_value
 from zerodp.config.model import (
     BF16Config,
     CompileConfig,
@@ -46,6 +45,7 @@ from zerodp.config.scheduler import (
     WarmupDecayLRParams,
     WarmupLRParams,
 )
+from zerodp.config.shown_values import show_value
 from zerodp.errors import ConfigError, ConfigWarning
 
 __all__ = [

@@ -26,6 +26,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from zerodp.config.deepspeed_keys import known_keys
+from zerodp.config.shown_values import show_value
 from zerodp.errors import ConfigError
 
 Loc = tuple[int | str, ...]
@@ -37,8 +39,6 @@ _PYDANTIC_ALLOWED = {
     "dict_type": "a JSON object (mapping of keys to values)",
     "literal_error": None,  # filled from ctx["expected"]
 }
-
-_MAX_SHOWN = 80
 
 
 class SectionRuleError(ValueError):
@@ -78,12 +78,6 @@ def join_path(loc: Loc) -> str:
     return out
 
 
-def show_value(value: object) -> str:
-    """`repr` of the offending value, shortened so one huge dict cannot flood the message."""
-    text = repr(value)
-    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
-
-
 def to_config_error(exc: ValidationError, model: type[BaseModel]) -> ConfigError:
     """One `ConfigError` listing every problem pydantic found, one per line."""
     return ConfigError("\n".join(_messages(exc.errors(), model, ())))
@@ -112,9 +106,6 @@ def _messages(errors: list[Any], model: type[BaseModel], prefix: Loc) -> list[st
 
 
 def _unknown_key(loc: Loc, section: type[BaseModel] | None) -> str:
-    # Local import: the compat tables import this module's helpers.
-    from zerodp.config.deepspeed_keys import known_keys
-
     key = str(loc[-1])
     head = f"unknown config key '{join_path(loc)}'"
     allowed = sorted(section.model_fields) if section is not None else []

@@ -30,17 +30,14 @@ from zerodp.config.fields import (
 )
 from zerodp.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 from zerodp.config.optimizer import AdamParams, OptimizerConfig, SGDParams
+from zerodp.config.parallel_features import composition_problems
 from zerodp.config.scheduler import (
     SchedulerConfig,
     WarmupCosineLRParams,
     WarmupDecayLRParams,
     WarmupLRParams,
 )
-from zerodp.config.tensor_parallel import (
-    TensorParallelConfig,
-    composition_problems,
-    precision_mismatch,
-)
+from zerodp.config.tensor_parallel import TensorParallelConfig, precision_mismatch
 from zerodp.errors import ConfigError
 
 # Re-exported: code outside the config package imports the sections from here.
@@ -320,14 +317,18 @@ class ZeroDPConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _tensor_parallel_composes(self) -> ZeroDPConfig:
-        tp = self.tensor_parallel
+    def _dimensions_compose(self) -> ZeroDPConfig:
+        """Every pair the composition table refuses ([Note: composition table])."""
         problems = composition_problems(self)
-        mismatch = precision_mismatch(tp, self.bf16.enabled, self.fp16.enabled)
-        if mismatch is not None:
-            problems.append(mismatch)
         if problems:
-            raise SectionRuleError(("tensor_parallel",), lambda k: "; ".join(problems))
+            raise SectionRuleError((), lambda k: "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_precision(self) -> ZeroDPConfig:
+        mismatch = precision_mismatch(self.tensor_parallel, self.bf16.enabled, self.fp16.enabled)
+        if mismatch is not None:
+            raise SectionRuleError(("tensor_parallel",), lambda k: mismatch)
         return self
 
     @model_validator(mode="after")
@@ -341,51 +342,6 @@ class ZeroDPConfig(Section):
                     f"'{k[0]}.logits_loss' to false"
                 ),
             )
-        return self
-
-    @model_validator(mode="after")
-    def _sequence_parallel_composes(self) -> ZeroDPConfig:
-        size = self.sequence_parallel_size
-        if size == 1:
-            return self
-        zero = self.zero_optimization
-        refused = (
-            (
-                zero.mics_shard_size > 0,
-                "zero_optimization.mics_shard_size",
-                "shard groups",
-                "-1 (shard over all ranks)",
-            ),
-            (
-                zero.zero_hpz_partition_size > 1,
-                "zero_optimization.zero_hpz_partition_size",
-                "hpZ's secondary shards",
-                "1",
-            ),
-            (
-                self.compile.enabled,
-                "compile.enabled",
-                "torch.compile",
-                "false",
-            ),
-            (
-                self.eigenvalue.enabled,
-                "eigenvalue.enabled",
-                "the eigenvalue monitor",
-                "false",
-            ),
-        )
-        for on, key, feature, fix in refused:
-            if on:
-
-                def render(k: tuple[str, ...], feature: str = feature, fix: str = fix) -> str:
-                    return (
-                        f"config key '{k[0]}' is {size} with '{k[1]}': zerodp does not combine "
-                        f"sequence parallelism with {feature} yet; set '{k[1]}' to {fix}, or "
-                        f"'{k[0]}' to 1"
-                    )
-
-                raise SectionRuleError(("sequence_parallel_size", key), render)
         return self
 
     @property

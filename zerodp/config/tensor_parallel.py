@@ -17,7 +17,7 @@ stay bitwise equal across each tensor-parallel group after every step.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
@@ -147,49 +147,3 @@ def precision_mismatch(tp: TensorParallelConfig, bf16: bool, fp16: bool) -> str 
         f"{actual} (zerodp takes the model's dtype from the 'bf16' and 'fp16' blocks): remove "
         f"'tensor_parallel.dtype', or enable the block for {tp.dtype}"
     )
-
-
-def composition_problems(config: Any) -> list[str]:
-    """Features that do not compose with tensor parallelism yet, each naming the pair.
-
-    `config` is the whole `ZeroDPConfig` (typed loosely: this module sits below it).
-    Every rank validates the same config, so every rank raises the same error.
-    """
-    tp = config.tensor_parallel
-    if not tp.enabled:
-        return []
-    zero = config.zero_optimization
-    size = f"tensor_parallel.autotp_size {tp.size}"
-    problems = []
-    if zero.mics_shard_size > 0:
-        problems.append(
-            f"{size} with zero_optimization.mics_shard_size {zero.mics_shard_size}: shard "
-            "groups do not compose with tensor parallelism yet; set mics_shard_size to -1 "
-            "(shard over every data-parallel rank), or autotp_size to 1"
-        )
-    if zero.zero_hpz_partition_size > 1:
-        problems.append(
-            f"{size} with zero_optimization.zero_hpz_partition_size "
-            f"{zero.zero_hpz_partition_size}: hpZ does not compose with tensor parallelism "
-            "yet; set zero_hpz_partition_size to 1, or autotp_size to 1"
-        )
-    for name in ("offload_param", "offload_optimizer"):
-        section = getattr(zero, name)
-        if section is not None and section.device != "none":
-            problems.append(
-                f"{size} with zero_optimization.{name}.device {section.device!r}: offload does "
-                f'not compose with tensor parallelism yet; set {name}.device to "none", or '
-                "autotp_size to 1"
-            )
-    if config.compile.enabled:
-        problems.append(
-            f"{size} with compile.enabled: torch.compile does not compose with tensor "
-            "parallelism yet (its all-reduces inside the graph); set compile.enabled to false, "
-            "or autotp_size to 1"
-        )
-    if config.eigenvalue.enabled:
-        problems.append(
-            f"{size} with eigenvalue.enabled: the Hessian eigenvalue estimate does not compose "
-            "with tensor parallelism yet; set eigenvalue.enabled to false, or autotp_size to 1"
-        )
-    return problems

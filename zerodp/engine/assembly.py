@@ -38,9 +38,9 @@ from zerodp.comm import Comm
 from zerodp.comm.process_group import comms_timeout
 from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.config import ZeroDPConfig
-from zerodp.engine.backward_wiring import ParamRuntime, build_backward
+from zerodp.engine.backward_wiring import BackwardParts, ParamRuntime, build_backward
 from zerodp.engine.data_loader import ZeroDataLoader
-from zerodp.engine.model_groups import build_groups
+from zerodp.engine.model_groups import ModelGroups, build_groups
 from zerodp.engine.optimizers import OptimizerBuild, build_optimizer
 from zerodp.engine.tensor_wiring import split_model, tensor_parallelism
 from zerodp.full_state.param_state import FullStateAccessor
@@ -56,10 +56,10 @@ from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.optim.tensorwise import TensorwiseStep
 from zerodp.optim.torch_optimizers import OptimizerSource
 from zerodp.posttrain import PostTraining, build_post_training
-from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, decide_mode
+from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, ModeDecision, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
 from zerodp.sequence import SequenceParallel, TiledCompute, TilingSettings
-from zerodp.tensor_parallel import TensorParallelism
+from zerodp.tensor_parallel import TensorParallelism, TensorSplit
 from zerodp.train_state import TrainState
 
 
@@ -115,6 +115,107 @@ def assemble(
     training_data: Any = None,
     collate_fn: Any = None,
 ) -> EngineParts:
+    core = _training_core(
+        module,
+        config,
+        comm=comm,
+        device=device,
+        on_forward_start=on_forward_start,
+        model_parameters=model_parameters,
+        user_optimizer=user_optimizer,
+        lr_scheduler=lr_scheduler,
+    )
+    comms, backward, built, groups = core.comms, core.backward, core.built, core.model.groups
+    optimizer = built.optimizer
+    tensor = tensor_parallelism(
+        module, config, comms, core.split, groups, steps_whole_tensors=built.tensorwise is not None
+    )
+    posttrain = build_post_training(
+        module=module,
+        decision=core.decision,
+        runtime=backward.params,
+        groups=groups,
+        optimizer=built.inner,
+        device=device,
+        gate=backward.gate,
+    )
+    sequence = _sequence_parallel(module, comms)
+    # After the sequence hooks: its forward hooks run on the split inputs.
+    tiling = _tiled_compute(module, config, backward.params.module_hooks)
+    # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
+    handles: list[Removable] = [*backward.handles, *core.frozen, posttrain.offload]
+    handles += [part for part in (tensor, sequence, tiling) if part is not None]
+    return EngineParts(
+        comm=comm,
+        comms=comms,
+        device=device,
+        strategy=core.strategy,
+        precision=core.policy,
+        window=core.window,
+        lifecycle=backward.lifecycle,
+        groups=groups,
+        reducer=backward.reducer,
+        params=backward.params,
+        gate=backward.gate,
+        train_state=core.train_state,
+        inner_optimizer=built.inner,
+        optimizer=optimizer,
+        tensorwise=built.tensorwise,
+        full_state=FullStateAccessor(
+            comm=comms.shard,
+            groups=groups,
+            reducer=backward.reducer,
+            optimizer=built.inner,
+            loss_scale=lambda: optimizer.loss_scaler.scale,
+            tensorwise=built.tensorwise,
+        ),
+        lr_scheduler=built.lr_scheduler,
+        reporter=_reporter(config, comm, comms),
+        eigenvalue=(
+            EigenvalueMonitor(config.eigenvalue, module, comm, comms.dims)
+            if config.eigenvalue.enabled
+            else None
+        ),
+        training_dataloader=_data_loader(training_data, collate_fn, config, comms),
+        handles=handles,
+        root_hooks=backward.root_hooks,
+        offload=core.offload,
+        offload_storage=core.model.storage,
+        posttrain=posttrain,
+        tensor_parallel=tensor,
+        sequence=sequence,
+    )
+
+
+@dataclass(frozen=True)
+class _TrainingCore:
+    """Steps 1-3 of the module docstring: the groups, the backward and the optimizer."""
+
+    comms: GroupComms
+    split: TensorSplit | None
+    strategy: StageStrategy
+    policy: PrecisionPolicy
+    decision: ModeDecision
+    frozen: list[FrozenByEngine]
+    offload: OffloadPolicy
+    model: ModelGroups
+    train_state: TrainState
+    window: AccumulationWindow
+    backward: BackwardParts
+    built: OptimizerBuild
+
+
+def _training_core(
+    module: nn.Module,
+    config: ZeroDPConfig,
+    *,
+    comm: Comm,
+    device: torch.device,
+    on_forward_start: Callable[[tuple[Any, ...], dict[str, Any]], None],
+    model_parameters: Any,
+    user_optimizer: Any,
+    lr_scheduler: Any,
+) -> _TrainingCore:
     zero = config.zero_optimization
     timeout = comms_timeout(config.comms_timeout_s)
     comms = group_comms(
@@ -132,18 +233,14 @@ def assemble(
     decision = decide_mode(module, config.optimizer, user_optimizer)
     frozen = [FrozenByEngine(module)] if decision.reason is InferenceReason.NO_OPTIMIZER else []
     offload = OffloadPolicy.from_config(zero, device)
-    specs = resolve_param_groups(module, model_parameters, user_optimizer)
-    sources: list[OptimizerSource] = []
-    step_shapes: dict[str, tuple[int, ...]] = {}
-    if decision.trains:
-        specs, sources, step_shapes = optimizer_sources(
-            user_optimizer,
-            config.optimizer,
-            specs,
-            {id(p): name for name, p in module.named_parameters()},
-            prefer_fused=offload.offloads_optimizer or steps_fused(device),
-        )
-
+    specs, sources, step_shapes = _optimizer_sources(
+        module,
+        config,
+        trains=decision.trains,
+        model_parameters=model_parameters,
+        user_optimizer=user_optimizer,
+        prefer_fused=offload.offloads_optimizer or steps_fused(device),
+    )
     model = build_groups(
         module,
         config,
@@ -155,7 +252,6 @@ def assemble(
         specs=specs,
         tensor_split=frozenset() if split is None else frozenset(map(id, split.split_params)),
     )
-    groups = model.groups
     train_state = TrainState()
     loss_scaler = loss_scaler_from_config(config.fp16)
     window = AccumulationWindow(
@@ -167,13 +263,13 @@ def assemble(
         comms=comms,
         strategy=strategy,
         policy=policy,
-        groups=groups,
+        groups=model.groups,
         layout=model.layout,
         window=window,
         on_forward_start=on_forward_start,
         timeout=timeout,
     )
-    built: OptimizerBuild = build_optimizer(
+    built = build_optimizer(
         config,
         decision=decision,
         sources=sources,
@@ -182,7 +278,7 @@ def assemble(
         comms=comms,
         device=device,
         strategy=strategy,
-        groups=groups,
+        groups=model.groups,
         backward=backward,
         offload=offload,
         storage=model.storage,
@@ -190,73 +286,50 @@ def assemble(
         loss_scaler=loss_scaler,
         lr_scheduler=lr_scheduler,
     )
-    optimizer = built.optimizer
-    tensor = tensor_parallelism(
-        module, config, comms, split, groups, steps_whole_tensors=built.tensorwise is not None
+    return _TrainingCore(
+        comms,
+        split,
+        strategy,
+        policy,
+        decision,
+        frozen,
+        offload,
+        model,
+        train_state,
+        window,
+        backward,
+        built,
     )
-    posttrain = build_post_training(
-        module=module,
-        decision=decision,
-        runtime=backward.params,
-        groups=groups,
-        optimizer=built.inner,
-        device=device,
-        gate=backward.gate,
+
+
+def _optimizer_sources(
+    module: nn.Module,
+    config: ZeroDPConfig,
+    *,
+    trains: bool,
+    model_parameters: Any,
+    user_optimizer: Any,
+    prefer_fused: bool,
+) -> tuple[list[Any], list[OptimizerSource], dict[str, tuple[int, ...]]]:
+    """The param groups, where each torch optimizer comes from, and the shapes it steps."""
+    specs = resolve_param_groups(module, model_parameters, user_optimizer)
+    if not trains:
+        return specs, [], {}
+    return optimizer_sources(
+        user_optimizer,
+        config.optimizer,
+        specs,
+        {id(p): name for name, p in module.named_parameters()},
+        prefer_fused=prefer_fused,
     )
-    sequence = _sequence_parallel(module, comms)
-    # After the sequence hooks: its forward hooks run on the split inputs.
-    tiling = _tiled_compute(module, config, backward.params.module_hooks)
-    # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
-    handles: list[Removable] = [*backward.handles, *frozen, posttrain.offload]
-    if tensor is not None:
-        handles.append(tensor)
-    if sequence is not None:
-        handles.append(sequence)
-    if tiling is not None:
-        handles.append(tiling)
-    return EngineParts(
+
+
+def _reporter(config: ZeroDPConfig, comm: Comm, comms: GroupComms) -> TrainingReporter:
+    return TrainingReporter(
+        Monitor.from_config(config.csv_monitor, config.tensorboard, rank=comm.rank),
+        active=config.csv_monitor.enabled or config.tensorboard.enabled,
         comm=comm,
-        comms=comms,
-        device=device,
-        strategy=strategy,
-        precision=policy,
-        window=window,
-        lifecycle=backward.lifecycle,
-        groups=groups,
-        reducer=backward.reducer,
-        params=backward.params,
-        gate=backward.gate,
-        train_state=train_state,
-        inner_optimizer=built.inner,
-        optimizer=optimizer,
-        tensorwise=built.tensorwise,
-        full_state=FullStateAccessor(
-            comm=comms.shard,
-            groups=groups,
-            reducer=backward.reducer,
-            optimizer=built.inner,
-            loss_scale=lambda: optimizer.loss_scaler.scale,
-            tensorwise=built.tensorwise,
-        ),
-        lr_scheduler=built.lr_scheduler,
-        reporter=TrainingReporter(
-            Monitor.from_config(config.csv_monitor, config.tensorboard, rank=comm.rank),
-            active=config.csv_monitor.enabled or config.tensorboard.enabled,
-            comm=comm,
-        ),
-        eigenvalue=(
-            EigenvalueMonitor(config.eigenvalue, module, comm)
-            if config.eigenvalue.enabled
-            else None
-        ),
-        training_dataloader=_data_loader(training_data, collate_fn, config, comms),
-        handles=handles,
-        root_hooks=backward.root_hooks,
-        offload=offload,
-        offload_storage=model.storage,
-        posttrain=posttrain,
-        tensor_parallel=tensor,
-        sequence=sequence,
+        dims=comms.dims,
     )
 
 

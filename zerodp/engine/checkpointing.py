@@ -139,8 +139,6 @@ class CheckpointMethods:
             gradients_loaded=self.gate.on_gradients_loaded,
             before_save=self.optimizer.adopt_replaced_params,
             whole_tensors=self.optimizer.torch_optimizers.tensorwise,
-            num_replicas=self.comms.dims.num_replicas,
-            replica_index=self.comms.dims.replica_index,
             dims=self.comms.dims,
             tensor_slices=(
                 {}

@@ -21,6 +21,7 @@ from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.errors import ConfigError
 from zerodp.group_state import GroupIndex
+from zerodp.parallel.composition import Feature, refusal_for
 from zerodp.stage3 import zero_parameter
 from zerodp.tensor_parallel import TensorParallelism, TensorSplit, split_for_engine
 
@@ -33,12 +34,11 @@ def split_model(
     if not tp.enabled:
         return None
     error = None
-    if any(zero_parameter.owner_of(p) is not None for p in module.parameters()):
-        error = ConfigError(
-            f"tensor_parallel.autotp_size {tp.size} with a model built under zero.Init: "
-            "zero.Init does not compose with tensor parallelism yet (its shards are of whole "
-            "weights); build the model without zero.Init, or set autotp_size to 1"
-        )
+    message = refusal_for(Feature.ZERO_INIT, comms.dims)
+    if message is not None and any(
+        zero_parameter.owner_of(p) is not None for p in module.parameters()
+    ):
+        error = ConfigError(message)
     comms.world.raise_if_any_failed(error)
     return split_for_engine(module, tp, comms, device)
 
@@ -56,13 +56,9 @@ def tensor_parallelism(
     if split is None:
         return None
     error = None
-    if steps_whole_tensors:
-        error = ConfigError(
-            f"tensor_parallel.autotp_size {split.size} with an optimizer that reads whole "
-            "tensors (Muon, Adafactor, a class zerodp does not know as elementwise): it would "
-            "read each rank's slices, not the weights; use an elementwise optimizer (AdamW, "
-            "SGD, ...; zerodp.declare_elementwise for your own), or set autotp_size to 1"
-        )
+    message = refusal_for(Feature.WHOLE_TENSOR_OPTIMIZERS, comms.dims)
+    if steps_whole_tensors and message is not None:
+        error = ConfigError(message)
     comms.world.raise_if_any_failed(error)
 
     def whole_values() -> list[tuple[str, torch.Tensor]]:

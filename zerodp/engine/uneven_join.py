@@ -45,6 +45,7 @@ from zerodp.comm.join_protocol import (
 )
 from zerodp.comm.subgroups import GroupComms
 from zerodp.errors import UsageError
+from zerodp.parallel.composition import Feature, refusal_for
 
 
 class JoinPhase(enum.Enum):
@@ -117,23 +118,11 @@ class JoinMethods(Joinable):
 
     def _refuse_join_with_shared_batches(self) -> None:
         """A shadow round of a tensor or sequence group would need every rank of the group
-        to run out at once; not built yet. Every rank calls join, so every rank raises."""
-        if self.tensor_parallel is not None:
-            raise UsageError(
-                "engine.join() with tensor_parallel.autotp_size > 1: joining uneven inputs "
-                "does not compose with tensor parallelism yet; give every rank the same "
-                "number of batches (the loader zerodp.initialize returns does), or set "
-                "autotp_size to 1"
-            )
-        sequence_size = self.comms.dims.sequence_size
-        if sequence_size > 1:
-            raise UsageError(
-                f"engine.join() with sequence_parallel_size {sequence_size}: zerodp does not "
-                "combine joining uneven inputs with sequence parallelism yet (the ranks of a "
-                "sequence group read the same batches, so they run out together); give every "
-                "data-parallel rank the same number of batches, or set sequence_parallel_size "
-                "to 1"
-            )
+        to run out at once ([Note: composition table]). Every rank calls join, so every
+        rank raises."""
+        message = refusal_for(Feature.JOIN, self.comms.dims)
+        if message is not None:
+            raise UsageError(message)
 
     # -- rounds ------------------------------------------------------------------------
 
@@ -145,7 +134,9 @@ class JoinMethods(Joinable):
         training = notify_join(self)
         self._join_inputs = (args, kwargs)
         if training and not self._join_divide_by_initial_world_size:
-            self.reducer.rank_scale = self.comm.world_size / training
+            # Join runs only where every rank is a data rank (the composition table), so the
+            # ranks still training are data ranks: average over them, not over all D.
+            self.reducer.rank_scale = self.comms.dims.data_size / training
 
     def _shadow_round(self) -> None:
         if self._join_inputs is None:

@@ -53,6 +53,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
 import zerodp
 from zerodp.errors import CheckpointError, ConfigError, UsageError
 from zerodp.integrations.trainer_config import AUTO, ConfigFiller, mismatch_error, read_config
+from zerodp.parallel.composition import Dimension, Feature, refusal
 from zerodp.torch_internals import init_optimizer_hook_dicts
 
 __all__ = ["ZeroDPStrategy"]
@@ -75,14 +76,16 @@ class ZeroDPStrategy(DDPStrategy):
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
         data = read_config(config)  # a bad path or type fails here, not in fit()
-        sequence = data.get("sequence_parallel_size", 1)
-        if sequence != 1:
-            raise ConfigError(
-                f"ZeroDPStrategy with sequence_parallel_size {sequence}: Lightning's loaders "
-                "shard by process, not by data rank, so the ranks of a sequence group would "
-                "get different batches; use ZeroDPTrainer or a plain loop "
-                "(docs/sequence-parallel.md), or set sequence_parallel_size to 1"
-            )
+        tensor = data.get("tensor_parallel", {})
+        sizes = {
+            Dimension.SEQUENCE: _size(data.get("sequence_parallel_size", 1)),
+            Dimension.TENSOR: _size(
+                tensor.get("autotp_size", 1) if isinstance(tensor, dict) else 1
+            ),
+        }
+        refused = refusal(Feature.LIGHTNING, sizes)
+        if refused is not None:
+            raise ConfigError(refused)
         super().__init__(**kwargs)
         self.zerodp_config = config
         self.engine: zerodp.ZeroEngine | None = None
@@ -385,3 +388,8 @@ def _refuse_unsupported(trainer: pl.Trainer, module: pl.LightningModule, precisi
         )
     if problems:
         raise UsageError("ZeroDPStrategy does not support " + "; ".join(problems))
+
+
+def _size(value: Any) -> int:
+    """A dimension's size as the config wrote it (the engine checks it; here only > 1 counts)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1

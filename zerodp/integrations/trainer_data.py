@@ -11,43 +11,28 @@ count a loss is normalised by) counts T x S ranks per batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from zerodp.integrations.trainer_config import read_config
 from zerodp.parallel import ParallelDims
 
 
-@dataclass(frozen=True)
-class TrainerDataRanks:
-    """T and S, and this rank's place among the data ranks."""
+def trainer_dims(
+    zerodp_config: Any, world_size: int, rank: int, sequence_size: int = 1
+) -> ParallelDims:
+    """The dims the engine will have, from the config's `tensor_parallel.autotp_size` and
+    `sequence_size`, read before the engine exists (the Trainer prepares its loaders first).
 
-    tensor_size: int
-    sequence_size: int
-    data_size: int
-    data_index: int
-
-    @classmethod
-    def of(
-        cls, zerodp_config: Any, world_size: int, rank: int, sequence_size: int = 1
-    ) -> TrainerDataRanks:
-        """From the config's `tensor_parallel.autotp_size` and `sequence_size` (both checked
-        by the engine later, which names the fix)."""
-        block = read_config(zerodp_config).get("tensor_parallel")
-        size = block.get("autotp_size", 0) if isinstance(block, dict) else 0
-        tensor = size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
-        if world_size % (tensor * sequence_size) != 0:  # the engine refuses it
-            return cls(1, 1, world_size, rank)
-        dims = ParallelDims.build(world_size, rank, sequence_size=sequence_size, tensor_size=tensor)
-        return cls(tensor, sequence_size, dims.data_size, dims.data_index)
-
-    @property
-    def ranks_per_batch(self) -> int:
-        """The ranks that compute on one batch (T x S)."""
-        return self.tensor_size * self.sequence_size
+    Sizes that do not fit the world raise `ConfigError` naming the fix here, on every rank
+    alike, rather than training on loaders split some other way.
+    """
+    block = read_config(zerodp_config).get("tensor_parallel")
+    size = block.get("autotp_size", 1) if isinstance(block, dict) else 1
+    tensor = size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+    return ParallelDims.build(world_size, rank, sequence_size=sequence_size, tensor_size=tensor)
 
 
-def route_data_loaders(accelerator: Any, ranks: TrainerDataRanks) -> None:
+def route_data_loaders(accelerator: Any, ranks: ParallelDims) -> None:
     """Make `accelerator.prepare_data_loader` split data over the data ranks, not the world.
 
     The same call Accelerate makes (its own settings), with the data ranks' count and this

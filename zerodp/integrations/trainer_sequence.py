@@ -36,7 +36,8 @@ from transformers import Trainer
 
 import zerodp
 from zerodp.errors import ConfigError
-from zerodp.integrations.trainer_data import TrainerDataRanks, route_data_loaders
+from zerodp.integrations.trainer_data import route_data_loaders
+from zerodp.parallel import ParallelDims
 
 SEQUENCE_KEY = "sequence_parallel_size"
 
@@ -72,7 +73,7 @@ class TrainerSequence(Trainer):
     engine: zerodp.ZeroEngine | None
     _sequence_size: int
     _in_sequence_loss: bool
-    _data_ranks: TrainerDataRanks
+    _data_ranks: ParallelDims
 
     def _shard_loaders_by_data_rank(self) -> None:
         """Accelerate's loaders sharded over the data ranks (after the Accelerator is made)."""

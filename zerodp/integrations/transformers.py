@@ -95,7 +95,7 @@ from zerodp.integrations.trainer_config import (
     refuse_unsupported_arguments,
     trainer_config,
 )
-from zerodp.integrations.trainer_data import TrainerDataRanks
+from zerodp.integrations.trainer_data import trainer_dims
 from zerodp.integrations.trainer_factory import SubclassFactory
 from zerodp.integrations.trainer_optimizers import TrainerOptimizers
 from zerodp.integrations.trainer_saving import TrainerSaving
@@ -205,7 +205,7 @@ class ZeroDPTrainer(TrainerSequence, TrainerOptimizers, TrainerSaving):
         """
         super().create_accelerator_and_postprocess()
         accelerator = self.accelerator
-        self._data_ranks = TrainerDataRanks.of(
+        self._data_ranks = trainer_dims(
             self.zerodp_config, self.args.world_size, self.args.process_index, self._sequence_size
         )
         prepare_model = accelerator.prepare_model

@@ -28,14 +28,20 @@ from zerodp.comm import Comm
 from zerodp.config import EigenvalueConfig
 from zerodp.errors import ConfigError
 from zerodp.monitor.events import eigenvalue_event_name
+from zerodp.parallel import WORLD, ParallelDims
 
 
 class EigenvalueMonitor:
     """Estimates each block's top Hessian eigenvalue at the boundaries the config names."""
 
-    def __init__(self, config: EigenvalueConfig, module: nn.Module, comm: Comm) -> None:
+    def __init__(
+        self, config: EigenvalueConfig, module: nn.Module, comm: Comm, dims: ParallelDims
+    ) -> None:
         self.config = config
-        self.comm = comm
+        self.comm = comm  # the world: every rank holds the block's parameters whole
+        # A sum over the world is averaged over the data ranks (raises for tensor slices,
+        # which the composition table refuses with this monitor before it gets here).
+        self.divisor = dims.gradient_divisor(WORLD)
         self.blocks = self._blocks(module, config.layer_name, config.layer_num)
         self.latest: dict[int, float] = {}  # block -> its latest estimate
         self._loss: torch.Tensor | None = None  # the boundary's loss, graph retained
@@ -111,7 +117,7 @@ class EigenvalueMonitor:
             ]
             for tensor in hv:
                 self.comm.all_reduce(tensor)
-                tensor.div_(self.comm.world_size)
+                tensor.div_(self.divisor)
             new_estimate = float(sum((h * v).sum() for h, v in zip(hv, vector, strict=True)))
             vector = self._normalised(hv)
             converged = (

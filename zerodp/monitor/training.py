@@ -22,6 +22,7 @@ from zerodp.monitor.events import (
     TRAIN_LOSS,
 )
 from zerodp.monitor.sinks import Monitor
+from zerodp.parallel import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,15 @@ class TrainingReporter:
 
     `active` is the same on every rank (a monitor is configured), because the
     train loss is averaged over ranks with a collective every rank must join;
-    only rank 0's monitor has sinks.
+    only rank 0's monitor has sinks. `comm` spans the world; `dims` say what the
+    world's sum of the ranks' losses is divided by.
     """
 
-    def __init__(self, monitor: Monitor, active: bool, comm: Comm) -> None:
+    def __init__(self, monitor: Monitor, active: bool, comm: Comm, dims: ParallelDims) -> None:
         self.monitor = monitor
         self.active = active
         self.comm = comm
+        self.dims = dims
         self._loss_sum: torch.Tensor | None = None
         self._loss_count = 0
         self._window_start = time.perf_counter()
@@ -73,8 +76,8 @@ class TrainingReporter:
         mean_loss = None
         if self._loss_sum is not None:
             mean = self._loss_sum.reshape(1) / self._loss_count
-            self.comm.all_reduce(mean)  # every rank's loss, averaged: what the step optimised
-            mean_loss = float(mean.item()) / self.comm.world_size
+            self.comm.all_reduce(mean)  # every rank's loss: what the step optimised
+            mean_loss = float(mean.item()) / self.dims.reported_value_divisor()
         self._loss_sum = None
         self._loss_count = 0
         if not self.monitor.enabled:

@@ -42,6 +42,16 @@ The rules, written here only:
    equal, consecutive slices; sequence rank s holds slice s (`sequence_slice`).
    The batch sizes of the config count data ranks, not sequence or tensor ranks
    (`data_parallel_size`), as DeepSpeed's do.
+6. Reported values: a per-batch value a rank reports (its loss) is the same on every
+   rank of its sequence and tensor group (`ranks_per_batch` = S x T); its mean over
+   the data ranks is its sum over the world divided by D x S x T
+   (`reported_value_divisor`).
+7. Checkpoints: a checkpoint records these sizes (`to_record`), and a load asks the
+   saved dims how saved parts combine (`window_sum_sources`: a window's local sums,
+   summed over sequence ranks and averaged over data ranks).
+
+Which features compose with which dimension is the table beside this module
+(`zerodp.parallel.composition`), not a rule scattered over the code.
 """
 
 from __future__ import annotations
@@ -58,14 +68,15 @@ SEQUENCE = "sequence"
 TENSOR = "tensor"
 SLICE = "slice"
 
-LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR, SLICE)
+LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR, SLICE)  # those with process groups
+KINDS = (WORLD, *LABELS)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """The mesh of one run, seen from `rank`. Pure arithmetic: every rank computes the same.
 
-    `shard_size` is the size of a shard group (Z x S ranks; `world_size / tensor_size`
+    `shard_group_size` is the size of a shard group (Z x S ranks; `world_size / tensor_size`
     when sharding over every data and sequence rank), `secondary_size` hpZ's H (1: none),
     `sequence_size` S, `tensor_size` T. Build with `ParallelDims.build`, which checks the
     sizes; the constructor trusts them.
@@ -73,7 +84,7 @@ class ParallelDims:
 
     world_size: int
     rank: int
-    shard_size: int
+    shard_group_size: int
     secondary_size: int = 1
     sequence_size: int = 1
     tensor_size: int = 1
@@ -84,20 +95,21 @@ class ParallelDims:
         world_size: int,
         rank: int,
         *,
-        shard_size: int = -1,
+        shard_group_size: int = -1,
         secondary_size: int = 1,
         sequence_size: int = 1,
         tensor_size: int = 1,
     ) -> ParallelDims:
-        """The dims for these sizes (`shard_size` <= 0: every data and sequence rank).
+        """The dims for these sizes (`shard_group_size` <= 0: a shard group of every data and
+        sequence rank; else the config's `mics_shard_size`, which counts Z x S ranks).
 
         Raises `ConfigError` naming the fix when the sizes do not divide the world.
         """
-        problems = size_problems(world_size, shard_size, sequence_size, tensor_size)
+        problems = size_problems(world_size, shard_group_size, sequence_size, tensor_size)
         if problems:
             raise ConfigError("; ".join(problems))
         per_slice = world_size // tensor_size
-        shard = per_slice if shard_size <= 0 else shard_size
+        shard = per_slice if shard_group_size <= 0 else shard_group_size
         return cls(world_size, rank, shard, secondary_size, sequence_size, tensor_size)
 
     # -- sizes ---------------------------------------------------------------------------
@@ -105,7 +117,7 @@ class ParallelDims:
     @property
     def num_replicas(self) -> int:
         """R: shard groups that copy each other."""
-        return self.world_size // (self.shard_size * self.tensor_size)
+        return self.world_size // (self.shard_group_size * self.tensor_size)
 
     @property
     def data_size(self) -> int:
@@ -115,7 +127,7 @@ class ParallelDims:
     @property
     def shard_data_size(self) -> int:
         """Z: data ranks inside one shard group."""
-        return self.shard_size // self.sequence_size
+        return self.shard_group_size // self.sequence_size
 
     @property
     def hybrid(self) -> bool:
@@ -125,7 +137,13 @@ class ParallelDims:
     @property
     def keeps_secondary(self) -> bool:
         """Whether hpZ keeps a secondary shard (H > 1 and smaller than the shard group)."""
-        return 1 < self.secondary_size < self.shard_size
+        return 1 < self.secondary_size < self.shard_group_size
+
+    @property
+    def ranks_per_batch(self) -> int:
+        """S x T: the ranks that compute on one batch (a sequence group splits its tokens, a
+        tensor group shares it); the world is D x `ranks_per_batch`."""
+        return self.sequence_size * self.tensor_size
 
     @property
     def splits_sequences(self) -> bool:
@@ -148,12 +166,12 @@ class ParallelDims:
     @property
     def shard_rank(self) -> int:
         """This rank's place in its shard group (the shard it holds)."""
-        return (self.rank // self.tensor_size) % self.shard_size
+        return (self.rank // self.tensor_size) % self.shard_group_size
 
     @property
     def replica_index(self) -> int:
         """Which shard group (of the R copies) this rank is in."""
-        return self.rank // (self.tensor_size * self.shard_size)
+        return self.rank // (self.tensor_size * self.shard_group_size)
 
     @property
     def data_index(self) -> int:
@@ -167,11 +185,11 @@ class ParallelDims:
     # -- groups --------------------------------------------------------------------------
 
     def _rank_at(self, replica: int, shard_place: int, tensor: int) -> int:
-        return (replica * self.shard_size + shard_place) * self.tensor_size + tensor
+        return (replica * self.shard_group_size + shard_place) * self.tensor_size + tensor
 
     def shard_groups(self) -> list[list[int]]:
         return [
-            [self._rank_at(r, k, t) for k in range(self.shard_size)]
+            [self._rank_at(r, k, t) for k in range(self.shard_group_size)]
             for r in range(self.num_replicas)
             for t in range(self.tensor_size)
         ]
@@ -179,7 +197,7 @@ class ParallelDims:
     def replica_groups(self) -> list[list[int]]:
         return [
             [self._rank_at(r, k, t) for r in range(self.num_replicas)]
-            for k in range(self.shard_size)
+            for k in range(self.shard_group_size)
             for t in range(self.tensor_size)
         ]
 
@@ -188,7 +206,7 @@ class ParallelDims:
         return [
             [self._rank_at(r, block * h + j, t) for j in range(h)]
             for r in range(self.num_replicas)
-            for block in range(self.shard_size // h)
+            for block in range(self.shard_group_size // h)
             for t in range(self.tensor_size)
         ]
 
@@ -212,11 +230,12 @@ class ParallelDims:
     def shard_group_ranks(self, replica: int, tensor: int) -> list[int]:
         """The world ranks of the shard group of replica `replica` and tensor rank `tensor`,
         in shard order (place k of the group holds shard k)."""
-        return [self._rank_at(replica, k, tensor) for k in range(self.shard_size)]
+        return [self._rank_at(replica, k, tensor) for k in range(self.shard_group_size)]
 
     def groups_of(self, label: str) -> list[list[int]]:
         """Every group of kind `label` (a partition of the ranks)."""
         builders = {
+            WORLD: lambda: [list(range(self.world_size))],
             SHARD: self.shard_groups,
             REPLICA: self.replica_groups,
             SECONDARY: self.secondary_groups,
@@ -225,7 +244,7 @@ class ParallelDims:
             SLICE: self.slice_groups,
         }
         if label not in builders:
-            return [list(range(self.world_size))]
+            raise ValueError(f"no kind of group is called {label!r}; the kinds: {KINDS}")
         return builders[label]()
 
     def own_group(self, label: str) -> list[int]:
@@ -233,14 +252,18 @@ class ParallelDims:
         return next(g for g in self.groups_of(label) if self.rank in g)
 
     def group_size(self, label: str) -> int:
-        return {
-            SHARD: self.shard_size,
+        sizes = {
+            WORLD: self.world_size,
+            SHARD: self.shard_group_size,
             REPLICA: self.num_replicas,
             SECONDARY: self.secondary_size,
             SEQUENCE: self.sequence_size,
             TENSOR: self.tensor_size,
             SLICE: self.world_size // self.tensor_size,
-        }.get(label, self.world_size)
+        }
+        if label not in sizes:
+            raise ValueError(f"no kind of group is called {label!r}; the kinds: {KINDS}")
+        return sizes[label]
 
     def needs_group(self, label: str) -> bool:
         """Whether `label`'s groups need process groups of their own (not the world's).
@@ -251,7 +274,7 @@ class ParallelDims:
         if label == SECONDARY:
             return self.keeps_secondary
         if label == SHARD:
-            return self.shard_size < self.world_size
+            return self.shard_group_size < self.world_size
         return 1 < self.group_size(label) < self.world_size
 
     def same_values_label(self) -> str:
@@ -265,13 +288,81 @@ class ParallelDims:
         """What a gradient summed over this rank's group of kind `label` is divided by.
 
         Rule 1 of [Note: parallel dimensions]: over a shard group, its data ranks (the
-        sequence ranks' parts add up to one gradient); over a replica group, the replicas.
+        sequence ranks' parts add up to one gradient); over a replica group, the replicas;
+        over the ranks holding the same values (the world without tensor parallelism, the
+        slice group with it), every data rank.
         """
         if label == SHARD:
             return self.shard_data_size
         if label == REPLICA:
             return self.num_replicas
+        if label == SLICE or (label == WORLD and not self.splits_tensors):
+            return self.data_size
+        if label == WORLD:
+            raise ValueError(
+                "a gradient summed over the world would add different tensor-parallel slices; "
+                "sum over the slice group"
+            )
         raise ValueError(f"gradients are not reduced over {label!r} groups")
+
+    def reported_value_divisor(self) -> int:
+        """What a per-batch value (a loss) summed over the world is divided by for its mean
+        over the data ranks (rule 6): every rank of a sequence and tensor group reports its
+        batch's value alike, so each batch is counted `ranks_per_batch` times."""
+        return self.data_size * self.ranks_per_batch
+
+    def window_sum_sources(self, tensor_rank: int) -> SavedSums:
+        """Which saved ranks' local gradient sums make up one accumulation window's gradient
+        of the slice of `tensor_rank`, and what their sum is divided by (rule 1: summed over
+        the sequence ranks, averaged over the D data ranks).
+
+        These dims are the ones a checkpoint was saved with (`from_record`): a checkpoint
+        taken inside a window at stages 0-1 keeps each rank's local sum, and a load into
+        another layout or stage combines them as the boundary's reduction would have.
+        """
+        if not 0 <= tensor_rank < self.tensor_size:
+            raise ValueError(f"tensor rank {tensor_rank} of a tensor group of {self.tensor_size}")
+        ranks = tuple(range(tensor_rank, self.world_size, self.tensor_size))
+        return SavedSums(ranks, self.data_size)
+
+    # -- a record for checkpoints ------------------------------------------------------------
+
+    def to_record(self) -> dict[str, int]:
+        """The sizes, as a checkpoint records them (rank-independent)."""
+        return {
+            "world_size": self.world_size,
+            "shard_group_size": self.shard_group_size,
+            "secondary_size": self.secondary_size,
+            "sequence_size": self.sequence_size,
+            "tensor_size": self.tensor_size,
+        }
+
+    @classmethod
+    def from_record(cls, record: object, rank: int = 0) -> ParallelDims:
+        """The dims a checkpoint recorded (`to_record`), checked; `ValueError` when damaged."""
+        keys = ("world_size", "shard_group_size", "secondary_size", "sequence_size", "tensor_size")
+        if not isinstance(record, dict) or not all(
+            isinstance(record.get(k), int) and not isinstance(record.get(k), bool) for k in keys
+        ):
+            raise ValueError(f"a record of parallel dims has the integers {keys}, got {record!r}")
+        world = record["world_size"]
+        if world < 1 or record["shard_group_size"] < 1 or record["secondary_size"] < 1:
+            raise ValueError(f"parallel dims out of range: {record!r}")
+        try:
+            return cls.build(
+                world,
+                rank,
+                shard_group_size=record["shard_group_size"],
+                secondary_size=record["secondary_size"],
+                sequence_size=record["sequence_size"],
+                tensor_size=record["tensor_size"],
+            )
+        except ConfigError as caught:
+            raise ValueError(f"parallel dims that do not fit: {caught}") from None
+
+    def same_layout(self, other: ParallelDims) -> bool:
+        """Whether `other` lays the ranks out as these dims do (ranks aside)."""
+        return self.to_record() == other.to_record()
 
     def norm_sum_groups(self, *, sharded: bool, tensor_split: bool = False) -> tuple[str, ...]:
         """The groups a squared gradient norm is summed over so that each element counts once.
@@ -281,11 +372,19 @@ class ParallelDims:
         gradients are of tensor-parallel slices.
         """
         groups = []
-        if sharded and self.shard_size > 1:
+        if sharded and self.shard_group_size > 1:
             groups.append(SHARD)
         if tensor_split and self.tensor_size > 1:
             groups.append(TENSOR)
         return tuple(groups)
+
+
+@dataclass(frozen=True)
+class SavedSums:
+    """Saved per-rank sums that make up one value: `ranks`' parts, summed, over `divisor`."""
+
+    ranks: tuple[int, ...]
+    divisor: int
 
 
 @dataclass(frozen=True)
@@ -331,7 +430,7 @@ def data_parallel_size(world_size: int, sequence_size: int = 1, tensor_size: int
 
 
 def size_problems(
-    world_size: int, shard_size: int, sequence_size: int, tensor_size: int
+    world_size: int, shard_group_size: int, sequence_size: int, tensor_size: int
 ) -> list[str]:
     """What is wrong with these sizes (each message names the fix); empty when they fit."""
     problems = []
@@ -352,21 +451,21 @@ def size_problems(
         )
         return problems
     per_slice = world_size // tensor_size
-    if shard_size > 0:
-        if per_slice % shard_size != 0:
+    if shard_group_size > 0:
+        if per_slice % shard_group_size != 0:
             ranks = (
                 f"the world size {world_size}"
                 if tensor_size == 1
                 else f"the {per_slice} ranks that shard each tensor-parallel slice"
             )
             problems.append(
-                f"zero_optimization.mics_shard_size {shard_size} does not divide {ranks}: set "
-                f"it to a divisor of {per_slice} (e.g. the ranks per node), or to -1 to shard "
-                "over all of them"
+                f"zero_optimization.mics_shard_size {shard_group_size} does not divide {ranks}: "
+                f"set it to a divisor of {per_slice} (e.g. the ranks per node), or to -1 to "
+                "shard over all of them"
             )
-        elif shard_size % sequence_size != 0:
+        elif shard_group_size % sequence_size != 0:
             problems.append(
-                f"zero_optimization.mics_shard_size {shard_size} splits a sequence group of "
+                f"zero_optimization.mics_shard_size {shard_group_size} splits a sequence group of "
                 f"{sequence_size} ranks: set it to a multiple of sequence_parallel_size"
             )
     return problems

@@ -15,7 +15,9 @@ from torch import nn
 
 from zerodp.comm import Comm
 from zerodp.comm.subgroups import GroupComms
+from zerodp.errors import UsageError
 from zerodp.group_state import GroupIndex
+from zerodp.parallel.composition import Feature, refusal_for
 from zerodp.posttrain import PostTraining
 from zerodp.posttrain.generation import GenerationReport
 from zerodp.posttrain.holding import ParamRuntime, gatherer_of
@@ -88,6 +90,9 @@ class PostTrainingMethods:
         collective: every rank iterates it to the end. See [Note: weight streaming].
         """
         self.posttrain.check_ready("full_parameters()")
+        refused = refusal_for(Feature.MERGED_ADAPTERS, self.comms.dims) if merge_adapters else None
+        if refused is not None:  # every rank asks alike: the dims and the argument are shared
+            raise UsageError(refused)
         return FullParameterStream(
             self.module,
             self.groups,

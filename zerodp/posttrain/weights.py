@@ -84,11 +84,8 @@ class FullParameterStream:
             )
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise UsageError(f"full_parameters: dtype must be a torch.dtype or None, got {dtype!r}")
-        if merge_adapters and split is not None:
-            raise UsageError(
-                "full_parameters(merge_adapters=True) with tensor parallelism: merging PEFT "
-                "adapters does not compose with tensor parallelism yet; stream without merging"
-            )
+        if merge_adapters and split is not None:  # pragma: no cover - refused by the table
+            raise RuntimeError("internal error: merging adapters into tensor-parallel slices")
         self.index = index
         self.split = split  # tensor-parallel slices are gathered whole
         self.comm = comm

@@ -210,6 +210,16 @@ def _targets(module: nn.Module, plan: Plan) -> list[_Target]:
                 f"of {type(module).__name__}; patterns are module names as named_modules() "
                 "gives them, '*' standing for one part (e.g. 'layers.*.mlp.fc1')"
             )
+    elif not targets:
+        # A model's own plan may name modules a variant lacks, but one that names none of
+        # this model's would leave it whole on every rank: T times the work, no split.
+        shown = ", ".join(repr(p) for p in list(plan.entries)[:4])
+        raise ConfigError(
+            f"{plan.source.value} of {type(module).__name__} matches none of its modules "
+            f"({shown}, ...), so nothing would be split (a wrapped model names its modules "
+            "differently); give tensor_parallel.plan with patterns of its named_modules(), or "
+            "set tensor_parallel.autotp_size to 1"
+        )
     return targets
 
 

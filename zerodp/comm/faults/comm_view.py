@@ -50,3 +50,28 @@ class WatchedComm(Protocol):
     def agree_first(self, kind: str) -> None:
         """Before a collective (`kind`): agree on this rank's activity with every rank, if it
         began one since ([Note: agreeing before a collective] in `zerodp.comm.agreement`)."""
+
+
+class AgreeingComm(Protocol):
+    """A `Comm` as the agreement before a collective sees it ([Note: agreeing before a
+    collective] in `zerodp.comm.agreement`, which the collectives call: it must not import
+    them back)."""
+
+    @property
+    def group(self) -> Any: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def watches_stalls(self) -> bool: ...
+
+    @property
+    def history(self) -> CollectiveHistory: ...
+
+    on_stall: OnStall | None
+
+    def agree_first(self, kind: str) -> None: ...

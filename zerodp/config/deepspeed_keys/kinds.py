@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerodp.config.errors import show_value
+from zerodp.config.shown_values import show_value
 
 AUTO = "auto"
 

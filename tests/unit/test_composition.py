@@ -1,0 +1,94 @@
+"""The composition table: what config validation and the run-time checks refuse is what the
+table says, and docs/architecture.md prints the table as it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerodp.config import load_config
+from zerodp.config.parallel_features import dimension_sizes, features_on
+from zerodp.errors import ConfigError
+from zerodp.parallel import ParallelDims
+from zerodp.parallel.composition import (
+    TABLE,
+    Dimension,
+    Feature,
+    markdown_table,
+    refusal,
+    refusal_for,
+)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+# A config that turns each config-key feature on (with a stage that allows it).
+TURNS_ON: dict[Feature, dict[str, Any]] = {
+    Feature.SHARD_GROUPS: {"zero_optimization": {"stage": 2, "mics_shard_size": 2}},
+    Feature.HPZ: {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+    Feature.OFFLOAD_PARAM: {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+    Feature.OFFLOAD_OPTIMIZER: {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    },
+    Feature.COMPILE: {"compile": {"enabled": True}},
+    Feature.EIGENVALUE: {"eigenvalue": {"enabled": True}},
+}
+SIZE_KEYS: dict[Dimension, dict[str, Any]] = {
+    Dimension.SEQUENCE: {"sequence_parallel_size": 2},
+    Dimension.TENSOR: {"tensor_parallel": {"autotp_size": 2}},
+}
+
+
+def _config(**extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 1, **extra}
+
+
+def test_every_feature_has_a_cell_for_every_dimension() -> None:
+    assert set(TABLE) == set(Feature)
+    for feature, cells in TABLE.items():
+        assert set(cells) == set(Dimension), feature
+
+
+def test_the_docs_print_the_table() -> None:
+    assert markdown_table() in DOC.read_text()
+
+
+def test_every_composes_cell_names_a_test_that_exists() -> None:
+    root = DOC.parents[1]
+    for feature, cells in TABLE.items():
+        for dimension, cell in cells.items():
+            if cell.composes:
+                path = cell.note.split(" ")[0]
+                assert (root / path).is_file(), (feature, dimension, cell)
+
+
+@pytest.mark.parametrize("feature", list(TURNS_ON))
+@pytest.mark.parametrize("dimension", list(Dimension))
+def test_config_validation_refuses_exactly_what_the_table_refuses(
+    feature: Feature, dimension: Dimension
+) -> None:
+    config = load_config(_config(**TURNS_ON[feature]), world_size=4)
+    assert feature in features_on(config)  # the config turns it on, alone it loads
+    both = {**TURNS_ON[feature], **SIZE_KEYS[dimension]}
+    if TABLE[feature][dimension].composes:
+        loaded = load_config(_config(**both), world_size=4)
+        assert dimension_sizes(loaded)[dimension] == 2
+        return
+    with pytest.raises(ConfigError) as caught:
+        load_config(_config(**both), world_size=4)
+    message = str(caught.value)
+    assert f"{dimension.key} 2 with {feature.config_key}" in message, message
+    assert feature.instead in message and f"or set {dimension.key} to 1" in message, message
+
+
+def test_the_run_time_checks_ask_the_table_with_the_runs_dims() -> None:
+    alone = ParallelDims.build(4, 0)
+    sequence = ParallelDims.build(4, 0, sequence_size=2)
+    tensor = ParallelDims.build(4, 0, tensor_size=2)
+    for feature in Feature:
+        assert refusal_for(feature, alone) is None
+        for dims, dimension in ((sequence, Dimension.SEQUENCE), (tensor, Dimension.TENSOR)):
+            refused = refusal_for(feature, dims)
+            assert (refused is None) == TABLE[feature][dimension].composes, (feature, dimension)
+    assert refusal(Feature.JOIN, {Dimension.SEQUENCE: 1, Dimension.TENSOR: 1}) is None
