@@ -13,6 +13,7 @@ from zerodp.config.parallel_features import dimension_sizes, features_on
 from zerodp.errors import ConfigError
 from zerodp.parallel import ParallelDims
 from zerodp.parallel.composition import (
+    PAIRS,
     TABLE,
     Dimension,
     Feature,
@@ -37,6 +38,7 @@ TURNS_ON: dict[Feature, dict[str, Any]] = {
 SIZE_KEYS: dict[Dimension, dict[str, Any]] = {
     Dimension.SEQUENCE: {"sequence_parallel_size": 2},
     Dimension.TENSOR: {"tensor_parallel": {"autotp_size": 2}},
+    Dimension.EXPERT: {"expert_parallel": {"enabled": True, "autoep_size": 2}},
 }
 
 
@@ -84,11 +86,29 @@ def test_config_validation_refuses_exactly_what_the_table_refuses(
 
 def test_the_run_time_checks_ask_the_table_with_the_runs_dims() -> None:
     alone = ParallelDims.build(4, 0)
-    sequence = ParallelDims.build(4, 0, sequence_size=2)
-    tensor = ParallelDims.build(4, 0, tensor_size=2)
+    runs = {
+        Dimension.SEQUENCE: ParallelDims.build(4, 0, sequence_size=2),
+        Dimension.TENSOR: ParallelDims.build(4, 0, tensor_size=2),
+        Dimension.EXPERT: ParallelDims.build(4, 0, expert_size=2),
+    }
+    assert set(runs) == set(Dimension)
     for feature in Feature:
         assert refusal_for(feature, alone) is None
-        for dims, dimension in ((sequence, Dimension.SEQUENCE), (tensor, Dimension.TENSOR)):
+        for dimension, dims in runs.items():
             refused = refusal_for(feature, dims)
             assert (refused is None) == TABLE[feature][dimension].composes, (feature, dimension)
     assert refusal(Feature.JOIN, {Dimension.SEQUENCE: 1, Dimension.TENSOR: 1}) is None
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [tuple(sorted(p, key=list(Dimension).index)) for p in PAIRS]
+)
+def test_config_validation_refuses_exactly_the_pairs_of_dimensions_the_table_refuses(
+    first: Dimension, second: Dimension
+) -> None:
+    config = _config(**SIZE_KEYS[first], **SIZE_KEYS[second])
+    if PAIRS[frozenset({first, second})].composes:
+        load_config(config, world_size=4)
+        return
+    with pytest.raises(ConfigError, match=f"{first.key} 2 with {second.key} 2"):
+        load_config(config, world_size=4)

@@ -11,6 +11,8 @@ import pytest
 
 from zerodp.errors import ConfigError
 from zerodp.parallel import (
+    EXPERT,
+    EXPERT_DATA,
     REPLICA,
     SECONDARY,
     SEQUENCE,
@@ -285,8 +287,8 @@ def test_an_unknown_kind_of_group_is_an_error_not_the_world() -> None:
     assert dims.groups_of(WORLD) == [[0, 1, 2, 3]] and dims.group_size(WORLD) == 4
     with pytest.raises(ValueError, match="no kind of group is called 'sequnce'"):
         dims.groups_of("sequnce")
-    with pytest.raises(ValueError, match="no kind of group is called 'expert'"):
-        dims.group_size("expert")
+    with pytest.raises(ValueError, match="no kind of group is called 'experts'"):
+        dims.group_size("experts")
 
 
 def test_a_reported_loss_is_averaged_over_the_data_ranks() -> None:
@@ -310,3 +312,85 @@ def test_a_world_sum_of_tensor_slices_has_no_divisor() -> None:
     assert dims.gradient_divisor(SLICE) == 2
     with pytest.raises(ValueError, match="slice group"):
         dims.gradient_divisor(WORLD)
+
+
+# (world, sequence, expert, mics shard size or -1, tensor)
+EXPERT_MESHES = [
+    (2, 1, 2, -1, 1),
+    (4, 1, 2, -1, 1),
+    (4, 1, 4, -1, 1),
+    (4, 2, 2, -1, 1),
+    (8, 2, 4, -1, 1),
+    (8, 2, 2, -1, 2),
+    (8, 1, 2, 4, 1),
+]
+
+
+@pytest.mark.parametrize(("world", "seq", "expert", "shard", "tensor"), EXPERT_MESHES)
+def test_expert_groups_split_each_shard_group_into_ep_and_expert_data_groups(
+    world: int, seq: int, expert: int, shard: int, tensor: int
+) -> None:
+    """An EP group is E consecutive places of a shard group (different tokens, different
+    experts); an expert-data group the places with the same expert rank. Together they
+    are the shard group: each of its places is one (EP rank, expert-data rank)."""
+    for rank in range(world):
+        dims = ParallelDims.build(
+            world,
+            rank,
+            shard_group_size=shard,
+            sequence_size=seq,
+            tensor_size=tensor,
+            expert_size=expert,
+        )
+        shard_group = dims.own_group(SHARD)
+        ep, data = dims.own_group(EXPERT), dims.own_group(EXPERT_DATA)
+        for label in (EXPERT, EXPERT_DATA):
+            groups = dims.groups_of(label)
+            assert sorted(itertools.chain(*groups)) == list(range(world)), label
+            assert len(dims.own_group(label)) == dims.group_size(label)
+        place = shard_group.index(rank)
+        assert ep == shard_group[place - place % expert : place - place % expert + expert]
+        assert data == shard_group[place % expert :: expert]
+        assert dims.expert_rank == ep.index(rank) and dims.expert_data_rank == data.index(rank)
+        assert set(ep) & set(data) == {rank} and len(ep) * len(data) == len(shard_group)
+        # Rule 1: an expert's gradient summed over its expert-data group is divided by the
+        # data ranks of the shard group, as every other gradient: not by E or the group.
+        assert dims.gradient_divisor(EXPERT_DATA) == dims.gradient_divisor(SHARD)
+        assert dims.gradient_divisor(EXPERT_DATA) == dims.shard_data_size
+        if seq == expert and shard == -1:
+            assert ep == dims.own_group(SEQUENCE)  # E x S over the same ranks
+
+
+def test_an_experts_norm_counts_each_element_once() -> None:
+    dims = ParallelDims.build(4, 0, expert_size=2)
+    # Shards (stages 1-3): disjoint over the expert-data group, experts over the EP group.
+    assert dims.norm_sum_groups(sharded=True, expert=True) == (SHARD,)
+    # Whole experts (stage 0): copies over the expert-data group, different over EP.
+    assert dims.norm_sum_groups(sharded=False, expert=True) == (EXPERT,)
+    assert dims.norm_sum_groups(sharded=False) == ()
+
+
+@pytest.mark.parametrize(
+    ("world", "seq", "expert", "expected"),
+    [
+        (4, 1, 3, "autoep_size 3 does not divide the 4 ranks that read different tokens"),
+        (4, 2, 4, None),
+        (4, 2, 8, "autoep_size 8 does not divide the 4 ranks"),
+        (2, 1, 0, "expert_parallel.autoep_size must be at least 1"),
+    ],
+)
+def test_expert_sizes_that_do_not_fit_name_the_fix(
+    world: int, seq: int, expert: int, expected: str | None
+) -> None:
+    if expected is None:
+        assert ParallelDims.build(world, 0, sequence_size=seq, expert_size=expert).splits_experts
+        return
+    with pytest.raises(ConfigError, match=expected):
+        ParallelDims.build(world, 0, sequence_size=seq, expert_size=expert)
+
+
+def test_the_expert_size_is_recorded() -> None:
+    dims = ParallelDims.build(4, 1, expert_size=2)
+    assert ParallelDims.from_record(dims.to_record(), rank=1) == dims
+    older = {k: v for k, v in dims.to_record().items() if k != "expert_size"}
+    assert ParallelDims.from_record(older).expert_size == 1  # before expert parallelism

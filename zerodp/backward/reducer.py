@@ -296,13 +296,13 @@ class GradientReducer:
         start, end = flat.slot_of(position)
         shape = flat.layout.slots[position].shape
         if kept.sync is GradSync.LOCAL:
-            return self.queue.average_now(kept.storage[start:end].clone()).view(shape)
+            return self.queue.average_now(state, kept.storage[start:end].clone()).view(shape)
         if self.plan.reduces_whole_buffer:
             return kept.storage[start:end].clone().view(shape)
         gathered = torch.empty(
             flat.padded_numel, dtype=kept.storage.dtype, device=kept.storage.device
         )
-        self.comm.all_gather(gathered, kept.shard_of_storage())
+        state.comm.all_gather(gathered, kept.shard_of_storage())
         part = gathered[start:end].clone()
         if kept.sync is GradSync.PARTIAL:
             part = self.queue.across_replicas_now(part)

@@ -22,7 +22,8 @@ from zerodp.backward.reduction_plan import FullReduce, ReductionPlan
 from zerodp.comm import Comm, Handle
 from zerodp.comm.faults.collective_order import CollectiveOrder
 from zerodp.group_state import GradSync, GroupState, KeptGradient
-from zerodp.parallel import REPLICA, SHARD, ParallelDims
+from zerodp.parallel import EXPERT_DATA, REPLICA, SHARD, ParallelDims
+from zerodp.partition import Slicing
 
 
 class LaunchKind(enum.Enum):
@@ -49,9 +50,13 @@ def kept_gradient(state: GroupState) -> KeptGradient:
 
 
 class ReductionQueue:
-    """Launches reductions in the shard group (and across replicas), finishes them in order.
+    """Launches reductions in each group's shard group (and across replicas), finishes them in
+    order.
 
-    `comm` is the shard group, `replicas` the replica group (None without replicas).
+    Each group is reduced over `state.comm` (the shard group; for expert slices the
+    expert-data group) and divided by what the dims say for that kind of group; `comm` is
+    the shard group (for values not of one group), `replicas` the replica group (None
+    without replicas).
     At most `max_inflight_elements` elements are in flight (the oldest is finished
     first to make room); without `overlap_comm` each reduction is waited for at once.
     """
@@ -75,7 +80,11 @@ class ReductionQueue:
         self.plan = plan
         self.order = order  # stage 3 checks its collectives' order
         self._pool = pool
-        self._shard_divisor = dims.gradient_divisor(SHARD)
+        self._divisors = {
+            Slicing.WHOLE: dims.gradient_divisor(SHARD),
+            Slicing.TENSOR: dims.gradient_divisor(SHARD),
+            Slicing.EXPERT: dims.gradient_divisor(EXPERT_DATA) if dims.splits_experts else 0,
+        }
         self._replica_divisor = dims.gradient_divisor(REPLICA)
         self.overlap_comm = overlap_comm
         self.max_inflight_elements = max(1, max_inflight_elements)
@@ -94,10 +103,10 @@ class ReductionQueue:
         # Always issued asynchronously: without overlap, _track waits for it at once, and the
         # wait is zerodp's own (watched, see [Note: collective order]).
         if self.plan.reduces_whole_buffer:
-            handle = self.comm.all_reduce(bucket, async_op=True)
+            handle = state.comm.all_reduce(bucket, async_op=True)
         else:
             start, end = state.flat.shard_range
-            handle = self.comm.reduce_scatter(bucket[start:end], bucket, async_op=True)
+            handle = state.comm.reduce_scatter(bucket[start:end], bucket, async_op=True)
         self._track(_InFlight(state, LaunchKind.BUCKET, handle, bucket, bucket.numel()))
 
     def launch_in_place(self, state: GroupState) -> None:
@@ -105,9 +114,9 @@ class ReductionQueue:
         kept = kept_gradient(state)
         self._note(state)
         if self.plan.full_reduce is FullReduce.ALL_REDUCE:
-            handle = self.comm.all_reduce(kept.storage, async_op=True)
+            handle = state.comm.all_reduce(kept.storage, async_op=True)
         else:
-            handle = self.comm.reduce_scatter(kept.shard_of_storage(), kept.storage, async_op=True)
+            handle = state.comm.reduce_scatter(kept.shard_of_storage(), kept.storage, async_op=True)
         numel = kept.storage.numel()
         self._track(_InFlight(state, LaunchKind.IN_PLACE, handle, None, numel))
 
@@ -130,11 +139,16 @@ class ReductionQueue:
 
     # -- reductions done now, outside the queue --------------------------------------------
 
-    def average_now(self, local_sum: torch.Tensor) -> torch.Tensor:
-        """The average over every data rank of a tensor holding this rank's local sum."""
-        self.comm.all_reduce(local_sum)
-        local_sum.div_(self._shard_divisor)
+    def average_now(self, state: GroupState, local_sum: torch.Tensor) -> torch.Tensor:
+        """The average over every data rank of a tensor of `state` holding this rank's local
+        sum."""
+        state.comm.all_reduce(local_sum)
+        local_sum.div_(self.divisor_of(state))
         return self.across_replicas_now(local_sum)
+
+    def divisor_of(self, state: GroupState) -> int:
+        """What a sum over `state`'s shard group is divided by (asked of the dims at build)."""
+        return self._divisors[state.flat.slicing]
 
     def across_replicas_now(self, shard_group_average: torch.Tensor) -> torch.Tensor:
         """The average over every data rank of values already averaged over the shard group."""
@@ -180,10 +194,10 @@ class ReductionQueue:
         kept = kept_gradient(state)
         if kind is LaunchKind.IN_PLACE:
             if self.plan.full_reduce is FullReduce.ALL_REDUCE:
-                kept.storage.div_(self._shard_divisor)
+                kept.storage.div_(self.divisor_of(state))
                 kept.sync = GradSync.AVERAGED
                 return
-            kept.shard_of_storage().div_(self._shard_divisor)
+            kept.shard_of_storage().div_(self.divisor_of(state))
             kept.sync = GradSync.AVERAGED if self.replicas is None else GradSync.PARTIAL
             self._go_across_if_due(state)
             return
@@ -195,7 +209,7 @@ class ReductionQueue:
         if bucket is None:  # pragma: no cover - a bucket launch always carries its bucket
             raise RuntimeError("internal error: bucket reduction without a bucket")
         if self.plan.reduces_whole_buffer:
-            kept.storage.add_(bucket.div_(self._shard_divisor))
+            kept.storage.add_(bucket.div_(self.divisor_of(state)))
             self._pool.give_back(bucket)
             return
         start, end = state.flat.shard_range
@@ -203,7 +217,7 @@ class ReductionQueue:
             kept.shard_of_storage().add_(bucket[start:end].div_(self._replica_divisor))
             self._pool.give_back(bucket)
             return
-        part = bucket[start:end].div_(self._shard_divisor)
+        part = bucket[start:end].div_(self.divisor_of(state))
         if kept.sync is GradSync.AVERAGED and self.replicas is not None:
             self.launch_across(state, LaunchKind.BUCKET_ACROSS, bucket)  # added once across
             return

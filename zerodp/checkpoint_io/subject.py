@@ -20,6 +20,7 @@ from torch import nn
 from zerodp.comm import Comm
 from zerodp.group_state import GroupIndex
 from zerodp.parallel import ParallelDims
+from zerodp.partition import Slicing
 
 
 class Stateful(Protocol):
@@ -89,6 +90,17 @@ class CheckpointSubject:
     # every name (tied ones too) -> split dim.
     dims: ParallelDims = field(kw_only=True)
     tensor_slices: Mapping[str, int] = field(default_factory=dict)
+    # With expert parallelism, every name (tied ones too) of a parameter that is an expert
+    # slice (this rank's experts, along dim 0).
+    expert_slices: frozenset[str] = frozenset()
+
+    def slicing_of(self, name: str) -> Slicing:
+        """Whether the parameter `name` is whole or a tensor or expert slice."""
+        if name in self.tensor_slices:
+            return Slicing.TENSOR
+        if name in self.expert_slices:
+            return Slicing.EXPERT
+        return Slicing.WHOLE
 
     @property
     def tensor_size(self) -> int:
@@ -100,9 +112,22 @@ class CheckpointSubject:
         dims = self.dims
         replica = 0 if saving else dims.replica_index
         groups = tuple(tuple(dims.shard_group_ranks(replica, t)) for t in range(dims.tensor_size))
+        experts = None
+        if dims.splits_experts:  # expert slices: one of E, each over its expert-data group
+            tensor = 0 if saving else dims.tensor_rank
+            expert_groups = tuple(
+                tuple(dims.expert_data_group_ranks(replica, tensor, e))
+                for e in range(dims.expert_size)
+            )
+            if saving:
+                experts = ShardPlaces(expert_groups, whole=0, place=0)
+            else:
+                experts = ShardPlaces(
+                    expert_groups, whole=dims.expert_rank, place=dims.expert_data_rank
+                )
         if saving:
-            return ShardPlaces(groups, whole=0, place=0)
-        return ShardPlaces(groups, whole=dims.tensor_rank, place=dims.shard_rank)
+            return ShardPlaces(groups, whole=0, place=0, experts=experts)
+        return ShardPlaces(groups, whole=dims.tensor_rank, place=dims.shard_rank, experts=experts)
 
 
 @dataclass(frozen=True)
@@ -120,7 +145,19 @@ class ShardPlaces:
     groups: tuple[tuple[int, ...], ...]
     whole: int = 0
     place: int = 0
+    # Expert slices' places (expert parallelism): slice e is EP rank e's experts, sharded
+    # over its expert-data group; in a parameter's flattened global tensor, experts first,
+    # slice e is at offset e x its size, so another E reads other offsets of the same tensor.
+    experts: ShardPlaces | None = None
 
     @property
     def num_slices(self) -> int:
         return len(self.groups)
+
+    def of(self, slicing: Slicing) -> ShardPlaces:
+        """The places of a flat group of kind `slicing`: the experts' for expert slices."""
+        if slicing is Slicing.EXPERT:
+            if self.experts is None:  # pragma: no cover - experts only with their places
+                raise RuntimeError("internal error: expert slices without expert places")
+            return self.experts
+        return self

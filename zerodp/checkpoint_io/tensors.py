@@ -37,6 +37,7 @@ from torch import nn
 from zerodp.checkpoint_io.sharded import ShardedTensor, pieces_of, sharded_1d, slice_pieces
 from zerodp.checkpoint_io.subject import CheckpointSubject, ShardPlaces
 from zerodp.group_state import GroupState
+from zerodp.partition import FlatGroup, Slicing
 
 
 @dataclass
@@ -45,26 +46,31 @@ class ParamEntry:
     param: nn.Parameter
     state: GroupState | None  # None: not managed (frozen at stages 0-2)
     position: int
-    sliced: bool = False  # a tensor-parallel slice
+    slicing: Slicing = Slicing.WHOLE  # a tensor- or expert-parallel slice
+
+    @property
+    def sliced(self) -> bool:
+        return self.slicing is not Slicing.WHOLE
 
 
 def param_entries(subject: CheckpointSubject) -> Iterator[ParamEntry]:
     for name, param in subject.module.named_parameters():
-        sliced = name in subject.tensor_slices
+        slicing = subject.slicing_of(name)
         found = subject.groups.lookup(param)
         if found is None:
-            yield ParamEntry(name, param, None, -1, sliced)
+            yield ParamEntry(name, param, None, -1, slicing)
         else:
-            yield ParamEntry(name, param, found[0], found[1], sliced)
+            yield ParamEntry(name, param, found[0], found[1], slicing)
 
 
 def whole_entry(
-    value: torch.Tensor, places: ShardPlaces, sliced: bool
+    value: torch.Tensor, places: ShardPlaces, slicing: Slicing
 ) -> torch.Tensor | ShardedTensor:
     """A value every rank of a shard group holds whole: a plain (replicated) tensor, or a
-    tensor-parallel slice of a tensor of T slices."""
-    if not sliced:
+    tensor- or expert-parallel slice of a tensor of T (or E) slices."""
+    if slicing is Slicing.WHOLE:
         return value
+    places = places.of(slicing)
     pieces = slice_pieces(value.numel(), places)
     return sharded_1d(value, value.numel() * places.num_slices, pieces, value.dtype)
 
@@ -87,16 +93,29 @@ def as_entry(
     """The checkpoint tensor for one parameter's part of a tensor covering the owned range
     (the shards of the shard groups `places` names)."""
     flat = state.flat
-    sliced = flat.tensor_split
     if flat.owns_full:  # every rank owns the whole group: a replicated value
         start, end = flat.slot_of(position)
-        return whole_entry(owned[start:end], places, sliced)
+        return whole_entry(owned[start:end], places, flat.slicing)
+    return _sharded(owned_chunk(owned, state, position), flat, position, places, owned.dtype)
+
+
+def _sharded(
+    chunk: torch.Tensor | None,
+    flat: FlatGroup,
+    position: int,
+    places: ShardPlaces,
+    dtype: torch.dtype,
+) -> ShardedTensor:
+    """One parameter's shards of `flat` as a checkpoint tensor: of the whole parameter, or of
+    a tensor of T (or E) slices when the group holds slices."""
+    sliced = flat.slicing is not Slicing.WHOLE
+    places = places.of(flat.slicing)
     numel = flat.layout.slots[position].numel
     return sharded_1d(
-        owned_chunk(owned, state, position),
+        chunk,
         numel * (places.num_slices if sliced else 1),
         pieces_of(flat, position, places, sliced),
-        owned.dtype,
+        dtype,
     )
 
 
@@ -107,23 +126,17 @@ def model_tensors(subject: CheckpointSubject, places: ShardPlaces) -> dict[str, 
         state = entry.state
         if state is None:
             out[f"model.{entry.name}"] = whole_entry(
-                entry.param.data.view(-1), places, entry.sliced
+                entry.param.data.view(-1), places, entry.slicing
             )
         elif not state.persistent:  # stage 3: only the shard exists
             flat = state.flat
             overlap = flat.layout.overlap(entry.position, flat.rank)
             chunk = None if overlap is None else flat.shard[overlap.shard_start : overlap.shard_end]
-            numel = flat.layout.slots[entry.position].numel
-            out[f"model.{entry.name}"] = sharded_1d(
-                chunk,
-                numel * (places.num_slices if flat.tensor_split else 1),
-                pieces_of(flat, entry.position, places, flat.tensor_split),
-                flat.dtype,
-            )
+            out[f"model.{entry.name}"] = _sharded(chunk, flat, entry.position, places, flat.dtype)
         else:
             start, end = state.flat.slot_of(entry.position)
             out[f"model.{entry.name}"] = whole_entry(
-                state.flat.full[start:end], places, state.flat.tensor_split
+                state.flat.full[start:end], places, state.flat.slicing
             )
     for name, buffer in subject.module.named_buffers():
         out[f"buffer.{name}"] = buffer

@@ -34,6 +34,8 @@ from zerodp.comm.topology import (
 )
 from zerodp.errors import ConfigError, ConfigWarning
 from zerodp.parallel import (
+    EXPERT,
+    EXPERT_DATA,
     LABELS,
     REPLICA,
     SECONDARY,
@@ -57,9 +59,11 @@ class GroupComms:
     shard groups at the accumulation boundary (None without replicas); `secondary` is
     hpZ's group, `sequence` and `tensor` the sequence- and tensor-parallel groups (None
     where that dimension has one rank), `slice` the ranks holding the same parameter
-    values when tensors are split (None otherwise). What each group's reductions are divided by,
-    and which groups a norm is summed over, is for `dims` to say (see [Note: parallel
-    dimensions] in `zerodp.parallel.dims`).
+    values when tensors are split (None otherwise), `expert` the EP group that exchanges
+    tokens and `expert_data` the ranks holding the same experts, which shard them (None
+    without expert parallelism). What each group's reductions are divided by, and which
+    groups a norm is summed over, is for `dims` to say (see [Note: parallel dimensions] in
+    `zerodp.parallel.dims`).
     """
 
     dims: ParallelDims
@@ -71,23 +75,51 @@ class GroupComms:
     sequence: Comm | None = None
     tensor: Comm | None = None
     slice: Comm | None = None
+    expert: Comm | None = None
+    expert_data: Comm | None = None
 
     @property
     def subgroups(self) -> list[Comm]:
         """The `Comm`s over groups other than the default one."""
-        found = [self.shard, self.replica, self.secondary, self.sequence, self.tensor, self.slice]
+        found = [
+            self.shard,
+            self.replica,
+            self.secondary,
+            self.sequence,
+            self.tensor,
+            self.slice,
+            self.expert,
+            self.expert_data,
+        ]
         return [c for c in found if c is not None and c is not self.world]
 
     def of(self, label: str) -> Comm | None:
-        """The `Comm` of this rank's group of kind `label` (None: a group of one rank)."""
-        return {
+        """The `Comm` of this rank's group of kind `label` (None: a group of one rank);
+        an unknown label is a `ValueError`, never the world."""
+        comms = {
+            WORLD: self.world,
             SHARD: self.shard,
             REPLICA: self.replica,
             SECONDARY: self.secondary,
             SEQUENCE: self.sequence,
             TENSOR: self.tensor,
             SLICE: self.slice,
-        }.get(label, self.world)
+            EXPERT: self.expert,
+            EXPERT_DATA: self.expert_data,
+        }
+        if label not in comms:
+            raise ValueError(f"no kind of group is called {label!r}")
+        return comms[label]
+
+    def shard_of(self, flat: Any) -> Comm:
+        """The group a flat group is sharded over, its gradients reduced in and its stage 3
+        gathers issued in: the shard group, or for expert slices (`flat.expert`) the
+        expert-data group (the ranks holding the same experts)."""
+        if getattr(flat, "expert", False):
+            if self.expert_data is None:  # pragma: no cover - experts only with their group
+                raise RuntimeError("internal error: expert slices without an expert-data group")
+            return self.expert_data
+        return self.shard
 
     def crosses_nodes(self, label: str) -> bool:
         """Whether this rank's group of kind `label` has ranks on more than one node."""
@@ -126,6 +158,7 @@ def group_comms(
     secondary_size: int = 1,
     sequence_size: int = 1,
     tensor_size: int = 1,
+    expert_size: int = 1,
     timeout: datetime.timedelta | None = None,
 ) -> GroupComms:
     """The groups for `mics_shard_size` (-1: all ranks), `zero_hpz_partition_size`, and
@@ -137,7 +170,11 @@ def group_comms(
     """
     world_size = world.world_size
     shard = world_size if shard_size <= 0 else shard_size
-    if shard == world_size and secondary_size <= 1 and sequence_size == tensor_size == 1:
+    if (
+        shard == world_size
+        and secondary_size <= 1
+        and sequence_size == tensor_size == expert_size == 1
+    ):
         return flat_comms(world)
     error: ConfigError | None = None
     dims: ParallelDims | None = None
@@ -150,6 +187,7 @@ def group_comms(
             secondary_size=secondary_size,
             sequence_size=sequence_size,
             tensor_size=tensor_size,
+            expert_size=expert_size,
         )
         node = _agreed_node_size(world)
         # A shard group spreads over shard_size x tensor_size consecutive ranks.
@@ -180,6 +218,8 @@ def group_comms(
         sequence=made.get(SEQUENCE),
         tensor=made.get(TENSOR),
         slice=made.get(SLICE),
+        expert=made.get(EXPERT),
+        expert_data=made.get(EXPERT_DATA),
     )
 
 

@@ -47,6 +47,7 @@ from zerodp.config.scheduler import (
 )
 from zerodp.config.shown_values import show_value
 from zerodp.errors import ConfigError, ConfigWarning
+from zerodp.parallel import size_problems
 
 __all__ = [
     "AdamParams",
@@ -105,6 +106,7 @@ def load_config(
         parsed.sequence_parallel_size,
         parsed.tensor_parallel.size,
     )
+    _check_parallel_sizes(parsed, world_size)
     return parsed.model_copy(
         update={
             "train_batch_size": sizes.train_batch_size,
@@ -112,6 +114,20 @@ def load_config(
             "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
         }
     )
+
+
+def _check_parallel_sizes(parsed: ZeroDPConfig, world_size: int) -> None:
+    """Every size against the world, as `ParallelDims` will check them at initialize: here
+    already, so a config that cannot fit fails before any process group is built."""
+    problems = size_problems(
+        world_size,
+        -1,  # shard groups are checked against the nodes at initialize (zerodp.comm.subgroups)
+        parsed.sequence_parallel_size,
+        parsed.tensor_parallel.size,
+        parsed.expert_parallel.size,
+    )
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _hints_for(hints: AutoHints | None, world_size: int) -> AutoHints:

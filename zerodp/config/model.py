@@ -16,6 +16,7 @@ from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from zerodp.config.batch import BatchSizes
 from zerodp.config.errors import SectionRuleError, to_config_error
+from zerodp.config.expert_parallel import ExpertParallelConfig
 from zerodp.config.fields import (
     Bool,
     NonNegFloat,
@@ -297,6 +298,7 @@ class ZeroDPConfig(Section):
     dataloader_drop_last: Bool = False
     seed: NonNegInt | None = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
     comms_timeout_s: PosFloat | None = None  # None: $ZERODP_COMMS_TIMEOUT_S, else torch's default
     comms_stall_checks: Bool = True  # gloo: a wait that lasts hears failures, uneven inputs

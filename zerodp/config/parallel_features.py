@@ -19,6 +19,7 @@ def dimension_sizes(config: Any) -> dict[Dimension, int]:
     return {
         Dimension.SEQUENCE: config.sequence_parallel_size,
         Dimension.TENSOR: config.tensor_parallel.size,
+        Dimension.EXPERT: config.expert_parallel.size,
     }
 
 

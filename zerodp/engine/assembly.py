@@ -55,6 +55,7 @@ from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy, strategy_for
 from zerodp.optim.tensorwise import TensorwiseStep
 from zerodp.optim.torch_optimizers import OptimizerSource
+from zerodp.partition import Slicing
 from zerodp.posttrain import PostTraining, build_post_training
 from zerodp.posttrain.mode import FrozenByEngine, InferenceReason, ModeDecision, decide_mode
 from zerodp.precision import PrecisionPolicy, loss_scaler_from_config, precision_policy
@@ -250,7 +251,7 @@ def _training_core(
         policy=policy,
         offload=offload,
         specs=specs,
-        tensor_split=frozenset() if split is None else frozenset(map(id, split.split_params)),
+        slicing={} if split is None else {id(p): Slicing.TENSOR for p in split.split_params},
     )
     train_state = TrainState()
     loss_scaler = loss_scaler_from_config(config.fp16)

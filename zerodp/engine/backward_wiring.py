@@ -101,9 +101,7 @@ def build_backward(
             order=order,
         )
     else:
-        params = ResidentParams(
-            groups, comms.shard, publish_after_step=strategy.gathers_params_after_step
-        )
+        params = ResidentParams(groups, publish_after_step=strategy.gathers_params_after_step)
     gate = StepGate(
         lifecycle, reducer, release_gathered=params.release_all, on_non_finite=config.on_non_finite
     )

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,7 @@ from zerodp.offload.setup import (
 )
 from zerodp.optim.param_groups import ParamGroupSpec
 from zerodp.optim.strategy import StageStrategy
-from zerodp.partition import FlatGroup
+from zerodp.partition import FlatGroup, Slicing
 from zerodp.partition.builder import ModelLayout, UnitRule, build_layout
 from zerodp.precision import PrecisionPolicy
 from zerodp.stage3.init import adopt_init_groups
@@ -68,13 +69,14 @@ def build_groups(
     policy: PrecisionPolicy,
     offload: OffloadPolicy,
     specs: list[ParamGroupSpec],
-    tensor_split: frozenset[int] = frozenset(),
+    slicing: Mapping[int, Slicing] | None = None,
 ) -> ModelGroups:
-    """`tensor_split`: ids of the parameters that are tensor-parallel slices (their own groups)."""
+    """`slicing`: id(param) -> its kind of slice, for the parameters that are tensor- or
+    expert-parallel slices (their own groups; experts sharded over the expert-data group)."""
     zero = config.zero_optimization
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
-    layout = _lay_out(module, config, comms.shard, device, strategy, specs, tensor_split)
+    layout = _lay_out(module, config, comms, device, strategy, specs, slicing or {})
     _sync_from_first_rank(module, layout, comms.of(comms.dims.same_values_label()), device)
     storage = None
     if offload.offloads_optimizer or offload.offloads_params:
@@ -103,13 +105,16 @@ def build_groups(
 def _lay_out(
     module: nn.Module,
     config: ZeroDPConfig,
-    comm: Comm,
+    comms: GroupComms,
     device: torch.device,
     strategy: StageStrategy,
     specs: list[ParamGroupSpec],
-    tensor_split: frozenset[int],
+    slicing: Mapping[int, Slicing],
 ) -> ModelLayout:
     zero = config.zero_optimization
+    comm = comms.shard
+    expert = comms.expert_data
+    expert_places = None if expert is None else (expert.world_size, expert.rank)
     optimizer_group = {id(p): i for i, spec in enumerate(specs) for p in spec.params}
     presharded = adopt_init_groups(
         module,
@@ -135,7 +140,8 @@ def _lay_out(
             max_block_numel=min(zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size),
         ),
         unit_excluded=set(leaf_modules(module)),
-        tensor_split=tensor_split,
+        slicing=slicing,
+        expert_places=expert_places,
     )
 
 
@@ -182,7 +188,7 @@ def _group_state(
     comms: GroupComms,
     copy: tuple[torch.Tensor, HostBuffers | None] | None,
 ) -> GroupState:
-    state = GroupState(flat, order)
+    state = GroupState(flat, order, comms.shard_of(flat))
     if flat.trainable:
         plan = strategy.reduction
         state.grads = KeptGradient(
@@ -199,5 +205,5 @@ def _group_state(
         secondary = None
         if comms.secondary is not None:  # hpZ: see [Note: hpZ secondary shard]
             secondary = SecondaryShard(flat.padded_numel, comms.secondary)
-        state.gather = GatherState(flat, comms.shard, secondary)
+        state.gather = GatherState(flat, state.comm, secondary)
     return state

@@ -67,10 +67,7 @@ def build_optimizer(
     optimizer = ZeroOptimizer(
         torch_optimizers,
         reducer=backward.reducer,
-        norm=NormReduction.of(comms, sharded=strategy.shards_optimizer_state),
-        split_norm=NormReduction.of(
-            comms, sharded=strategy.shards_optimizer_state, tensor_split=True
-        ),
+        norms=NormReduction.per_slicing(comms, sharded=strategy.shards_optimizer_state),
         states=groups.trainable,
         params=backward.params,
         model_params=groups.params,

@@ -161,7 +161,7 @@ class FullStateAccessor:
         if owned.numel() == flat.padded_numel:
             return owned[start:end].clone().view(shape)
         full = torch.empty(flat.padded_numel, dtype=owned.dtype, device=owned.device)
-        self.comm.all_gather(full, owned)
+        state.comm.all_gather(full, owned)
         return full[start:end].clone().view(shape)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zerodp.comm import Comm
 from zerodp.group_state.gather import GatherState, ParamStatus
 from zerodp.group_state.kept_gradient import KeptGradient
 from zerodp.group_state.optimizer_param import OptimizerParam
@@ -22,13 +23,16 @@ class GroupState:
     """Everything zerodp holds for one flat group.
 
     `order` is the group's place in the fixed order every rank issues its
-    collectives in (reductions, gathers of several groups at once).
+    collectives in (reductions, gathers of several groups at once). `comm` is the
+    group it is sharded over (the shard group; for expert slices the expert-data
+    group): its gradients are reduced and its parameters gathered there.
     `grads` and `optim` exist for trainable groups, `gather` for sharded
     (stage 3, non-persistent) groups.
     """
 
     flat: FlatGroup
     order: int
+    comm: Comm
     grads: KeptGradient | None = None
     optim: OptimizerParam | None = None
     gather: GatherState | None = None

@@ -9,6 +9,7 @@ import torch
 
 from zerodp.comm import Comm
 from zerodp.comm.subgroups import GroupComms
+from zerodp.partition import Slicing
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,24 @@ class NormReduction:
     sum_over: tuple[Comm, ...] = ()
 
     @classmethod
-    def of(cls, comms: GroupComms, *, sharded: bool, tensor_split: bool = False) -> NormReduction:
-        """For gradients this rank holds a shard of (`sharded`) or the whole of, of
-        tensor-parallel slices (`tensor_split`) or of whole tensors."""
-        labels = comms.dims.norm_sum_groups(sharded=sharded, tensor_split=tensor_split)
+    def of(
+        cls, comms: GroupComms, *, sharded: bool, slicing: Slicing = Slicing.WHOLE
+    ) -> NormReduction:
+        """For gradients this rank holds a shard of (`sharded`) or the whole of, of whole
+        tensors or of tensor- or expert-parallel slices (`slicing`)."""
+        labels = comms.dims.norm_sum_groups(
+            sharded=sharded,
+            tensor_split=slicing is Slicing.TENSOR,
+            expert=slicing is Slicing.EXPERT,
+        )
         found = (comms.of(label) for label in labels)
         return cls(tuple(comm for comm in found if comm is not None))
+
+    @classmethod
+    def per_slicing(cls, comms: GroupComms, *, sharded: bool) -> dict[Slicing, NormReduction]:
+        """One reduction per kind of flat group: their squares are summed over different
+        groups, then added."""
+        return {kind: cls.of(comms, sharded=sharded, slicing=kind) for kind in Slicing}
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -13,7 +13,7 @@ optimizer copy: the optimizer parameters alias the model's own flat buffers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -34,6 +34,7 @@ from zerodp.optim.grad_norm import (
 )
 from zerodp.optim.offloaded_step import OffloadedSteps, synchronize_device
 from zerodp.optim.torch_optimizers import TorchOptimizers
+from zerodp.partition import Slicing
 from zerodp.precision.loss_scaler import LossScaler
 from zerodp.torch_internals import init_optimizer_hook_dicts, mark_optimizer_stepped
 from zerodp.train_state import TrainState
@@ -60,9 +61,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         torch_optimizers: TorchOptimizers,
         *,
         reducer: GradientReducer,
-        norm: NormReduction,
+        norms: Mapping[Slicing, NormReduction],
         states: list[GroupState],
-        split_norm: NormReduction | None = None,
         params: ParamPublisher,
         model_params: list[nn.Parameter],
         gradient_clipping: float,
@@ -77,10 +77,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = torch_optimizers.inner
         self.defaults = torch_optimizers.inner.defaults
         self._reducer = reducer
-        self._norm = norm
-        # Tensor-parallel slices are disjoint across the tensor group, whole tensors copies:
-        # the two kinds' squares are summed over different groups, then added.
-        self._split_norm = split_norm
+        # Slices are disjoint across their tensor or EP group, whole tensors copies: each
+        # kind's squares are summed over its own groups, then added.
+        self._norms = norms
         self._states = states
         self._params = params
         self._model_params = model_params
@@ -169,18 +168,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self._offload is not None:
             self._offload.fetch_grads(self._states)
         grads = []
-        split = []  # which of `grads` are tensor-parallel slices
+        kinds = []  # which kind of flat group each of `grads` is of
         for state in self._states:
             param, kept = state.optim, state.grads
             if param is None or kept is None:  # pragma: no cover - trainable groups have both
                 raise RuntimeError(f"internal error: {state} is trainable but incomplete")
             param.param.grad = param.grad_for_optimizer(kept.owned())
             grads.append(param.param.grad)
-            split.append(state.flat.tensor_split)
+            kinds.append(state.flat.slicing)
         scaler = self.loss_scaler
         if scaler.scale != 1.0 and grads:
             scale_grads(grads, 1.0 / scaler.scale)
-        norm = self._global_norm(grads, split)
+        norm = self._global_norm(grads, kinds)
         self.last_grad_norm = norm
         self.last_step_skipped = False
         if scaler.checks_overflow:
@@ -209,15 +208,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._drop_grads()
         self.sync_params_from_owned()
 
-    def _global_norm(self, grads: list[torch.Tensor], split: list[bool]) -> torch.Tensor:
-        """The norm over every element once (rule 2 of [Note: parallel dimensions])."""
-        whole = [g for g, s in zip(grads, split, strict=True) if not s]
-        sliced = [g for g, s in zip(grads, split, strict=True) if s]
-        total = squared_grad_norm(whole, self._norm, device=self._device)
-        if sliced:
-            if self._split_norm is None:  # pragma: no cover - the engine passes it with TP
-                raise RuntimeError("internal error: tensor-parallel slices without their norm")
-            total = total + squared_grad_norm(sliced, self._split_norm, device=self._device)
+    def _global_norm(self, grads: list[torch.Tensor], kinds: list[Slicing]) -> torch.Tensor:
+        """The norm over every element once (rule 2 of [Note: parallel dimensions]). Whole
+        tensors' squares are reduced even when this rank has none: every rank joins the
+        same collectives."""
+        total = squared_grad_norm(
+            [g for g, k in zip(grads, kinds, strict=True) if k is Slicing.WHOLE],
+            self._norms[Slicing.WHOLE],
+            device=self._device,
+        )
+        for kind in (Slicing.TENSOR, Slicing.EXPERT):
+            of_kind = [g for g, k in zip(grads, kinds, strict=True) if k is kind]
+            if of_kind:
+                total = total + squared_grad_norm(of_kind, self._norms[kind], device=self._device)
         return total.sqrt()
 
     def adopt_replaced_params(self) -> None:

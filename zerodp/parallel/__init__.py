@@ -1,4 +1,4 @@
-"""The parallel dimensions (data, shard, replica, sequence, tensor) and their rules.
+"""The parallel dimensions (data, shard, replica, sequence, tensor, expert) and their rules.
 
 One object, `ParallelDims`, answers every question that depends on how the ranks
 are laid out: which group reduces a gradient and what it is divided by, which
@@ -8,6 +8,8 @@ process groups are built from it by `zerodp.comm.subgroups`.
 """
 
 from zerodp.parallel.dims import (
+    EXPERT,
+    EXPERT_DATA,
     LABELS,
     REPLICA,
     SECONDARY,
@@ -17,12 +19,13 @@ from zerodp.parallel.dims import (
     TENSOR,
     WORLD,
     ParallelDims,
-    SequenceSlice,
-    data_parallel_size,
-    size_problems,
 )
+from zerodp.parallel.sequence_slice import SequenceSlice
+from zerodp.parallel.sizes import data_parallel_size, size_problems
 
 __all__ = [
+    "EXPERT",
+    "EXPERT_DATA",
     "LABELS",
     "REPLICA",
     "SECONDARY",

@@ -36,6 +36,7 @@ class Dimension(enum.Enum):
 
     SEQUENCE = ("sequence_parallel_size", "sequence parallelism")
     TENSOR = ("tensor_parallel.autotp_size", "tensor parallelism")
+    EXPERT = ("expert_parallel.autoep_size", "expert parallelism")
 
     def __init__(self, key: str, title: str) -> None:
         self.key = key
@@ -161,61 +162,103 @@ def refused(why: str) -> Cell:
 
 _SEQUENCE_TESTS = "tests/distributed/test_sequence_parallel.py"
 _TENSOR_TESTS = "tests/distributed/test_tensor_parallel.py"
+_EXPERT_TESTS = "tests/distributed/test_expert_parallel.py"
 
 TABLE: Mapping[Feature, Mapping[Dimension, Cell]] = {
     Feature.SHARD_GROUPS: {
         Dimension.SEQUENCE: refused("a shard group of data and sequence ranks is not built yet"),
         Dimension.TENSOR: refused("shard groups per tensor slice are not built yet"),
+        Dimension.EXPERT: refused("expert-data groups inside shard groups are not built yet"),
     },
     Feature.HPZ: {
         Dimension.SEQUENCE: refused("secondary shards of a sequence group are not built yet"),
         Dimension.TENSOR: refused("secondary shards per tensor slice are not built yet"),
+        Dimension.EXPERT: refused("secondary shards of expert-data groups are not built yet"),
     },
     Feature.OFFLOAD_PARAM: {
         Dimension.SEQUENCE: composes(_SEQUENCE_TESTS),
         Dimension.TENSOR: refused("offloaded slices are not built yet"),
+        Dimension.EXPERT: refused("offloaded expert shards are not built yet"),
     },
     Feature.OFFLOAD_OPTIMIZER: {
         Dimension.SEQUENCE: composes(_SEQUENCE_TESTS),
         Dimension.TENSOR: refused("offloaded slices are not built yet"),
+        Dimension.EXPERT: refused("offloaded expert shards are not built yet"),
     },
     Feature.COMPILE: {
         Dimension.SEQUENCE: refused("the all-to-alls inside a compiled graph"),
         Dimension.TENSOR: refused("the all-reduces inside a compiled graph"),
+        Dimension.EXPERT: refused("the all-to-alls inside a compiled graph"),
     },
     Feature.EIGENVALUE: {
         Dimension.SEQUENCE: refused("its Hessian products are not summed over a sequence group"),
         Dimension.TENSOR: refused("its Hessian products would mix tensor slices"),
+        Dimension.EXPERT: refused("its Hessian products would mix experts"),
     },
     Feature.WHOLE_TENSOR_OPTIMIZERS: {
         Dimension.SEQUENCE: composes(_SEQUENCE_TESTS),
         Dimension.TENSOR: refused("it would read each rank's slices, not the weights"),
+        Dimension.EXPERT: refused("its owners would be planned over the wrong group"),
     },
     Feature.JOIN: {
         Dimension.SEQUENCE: refused("a sequence group's ranks run out of batches together"),
         Dimension.TENSOR: refused("a tensor group's ranks run out of batches together"),
+        Dimension.EXPERT: refused(
+            "a rank that left would not answer the all-to-alls of the experts it holds"
+        ),
     },
     Feature.ZERO_INIT: {
         Dimension.SEQUENCE: composes(_SEQUENCE_TESTS),
         Dimension.TENSOR: refused("its shards are of whole weights"),
+        Dimension.EXPERT: refused("its shards are of every expert"),
     },
     Feature.WINDOW_CHECKPOINT: {
         Dimension.SEQUENCE: composes(_SEQUENCE_TESTS),
         Dimension.TENSOR: refused("a window's gradients of slices are not saved yet"),
+        Dimension.EXPERT: refused("a window's gradients of expert slices are not saved yet"),
     },
     Feature.DEEPSPEED_CHECKPOINT: {
         Dimension.SEQUENCE: refused("not tested yet with sequence parallelism"),
         Dimension.TENSOR: refused("DeepSpeed's files hold whole weights, not slices"),
+        Dimension.EXPERT: refused("not tested yet with expert parallelism"),
     },
     Feature.MERGED_ADAPTERS: {
         Dimension.SEQUENCE: composes("tests/distributed/test_posttrain_weights.py"),
         Dimension.TENSOR: refused("the adapters are not split as the slices are"),
+        Dimension.EXPERT: refused("adapters on split experts are not merged yet"),
     },
     Feature.LIGHTNING: {
         Dimension.SEQUENCE: refused("a sequence group would get different batches"),
         Dimension.TENSOR: refused("a tensor group would get different batches"),
+        Dimension.EXPERT: refused("not tested yet with expert parallelism"),
     },
 }
+
+
+# Dimensions with each other: which pairs compose (and where that is tested).
+PAIRS: Mapping[frozenset[Dimension], Cell] = {
+    frozenset({Dimension.SEQUENCE, Dimension.TENSOR}): composes(_SEQUENCE_TESTS),
+    frozenset({Dimension.SEQUENCE, Dimension.EXPERT}): composes(_EXPERT_TESTS),
+    frozenset({Dimension.TENSOR, Dimension.EXPERT}): refused(
+        "the experts of a tensor-parallel model are not split over EP groups per tensor rank yet"
+    ),
+}
+
+
+def pair_refusal(sizes: Mapping[Dimension, int]) -> str | None:
+    """The message refusing the first pair of dimensions in `sizes` (those above 1) that does
+    not compose; None when every pair does."""
+    on = [d for d in Dimension if sizes.get(d, 1) > 1]
+    for i, first in enumerate(on):
+        for second in on[i + 1 :]:
+            cell = PAIRS[frozenset({first, second})]
+            if not cell.composes:
+                return (
+                    f"{first.key} {sizes[first]} with {second.key} {sizes[second]}: zerodp does "
+                    f"not combine {first.title} with {second.title} yet ({cell.note}); set "
+                    f"{second.key} or {first.key} to 1"
+                )
+    return None
 
 
 def refusal(feature: Feature, sizes: Mapping[Dimension, int], value: str = "") -> str | None:
@@ -238,9 +281,10 @@ def refusal(feature: Feature, sizes: Mapping[Dimension, int], value: str = "") -
 
 
 def refusals(features: Mapping[Feature, str], sizes: Mapping[Dimension, int]) -> list[str]:
-    """Every refusal among `features` (each with its setting, in the table's order), for a
-    config's validation."""
-    found = (refusal(f, sizes, features[f]) for f in Feature if f in features)
+    """Every refusal among the dimensions' pairs and `features` (each with its setting, in
+    the table's order), for a config's validation."""
+    found = [pair_refusal(sizes)]
+    found += [refusal(f, sizes, features[f]) for f in Feature if f in features]
     return [message for message in found if message is not None]
 
 
@@ -258,12 +302,24 @@ def markdown_table() -> str:
             cells.append(f"composes (`{cell.note}`)" if cell.composes else f"refused: {cell.note}")
         name = f"{feature.title} (`{feature.how}`)"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for pair, cell in PAIRS.items():
+        first, second = sorted(pair, key=dimensions.index)
+        shown = f"composes (`{cell.note}`)" if cell.composes else f"refused: {cell.note}"
+        lines.append(
+            f"| {second.title} (`{second.key}`) | "
+            + " | ".join(shown if d is first else "" for d in dimensions)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def sizes_of(dims: ParallelDims) -> dict[Dimension, int]:
     """Each dimension's size in a run's `ParallelDims`."""
-    return {Dimension.SEQUENCE: dims.sequence_size, Dimension.TENSOR: dims.tensor_size}
+    return {
+        Dimension.SEQUENCE: dims.sequence_size,
+        Dimension.TENSOR: dims.tensor_size,
+        Dimension.EXPERT: dims.expert_size,
+    }
 
 
 def refusal_for(feature: Feature, dims: ParallelDims) -> str | None:

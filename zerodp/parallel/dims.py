@@ -1,7 +1,8 @@
 """The parallel dimensions of a run and every rule that depends on them, in one place.
 
 [Note: parallel dimensions]
-The N ranks of a run form a mesh of four dimensions, outermost first:
+The N ranks of a run form a mesh of four dimensions, outermost first (expert
+parallelism subdivides the shard dimension, below):
 
     replica (R)  x  shard (Z)  x  sequence (S)  x  tensor (T)  =  N
 
@@ -21,6 +22,14 @@ data ranks inside one shard group; the shard group itself is Z x S ranks.
 - secondary group (hpZ, H consecutive places of a shard group).
 - slice group (same t; R x Z x S ranks): the ranks that hold the same parameter
   values, the same tensor-parallel slices (every rank when T = 1).
+- expert (EP) group: E consecutive places of a shard group (place k = z x S + s;
+  EP rank k mod E). Its ranks read different tokens (data and sequence ranks)
+  and hold different E-ths of every MoE layer's experts; tokens travel between
+  them. E divides Z x S, so E x S can be the same ranks (a sequence group that
+  is also an EP group).
+- expert-data group (same r, t, k mod E; Z x S / E ranks): the ranks holding
+  the same experts; ZeRO shards the experts over it, and stage 3 gathers them
+  there only.
 - data ranks: D = R x Z. Ranks with the same data index (r * Z + z) are handed
   the same samples: a sequence group splits them, a tensor group shares them.
 
@@ -28,16 +37,22 @@ The rules, written here only:
 1. Reduction: a gradient is summed over the sequence ranks and averaged over
    the D data ranks (micro-batches are averaged by the loss's 1/accumulation
    factor). A sum over a shard group covers Z data ranks and S sequence ranks,
-   so it is divided by Z; a sum over a replica group by R.
+   so it is divided by Z; a sum over a replica group by R. An expert's gradient,
+   summed over its expert-data group, holds the contributions of every token
+   that reached it from every rank (the all-to-all's backward brought them),
+   so it is divided by Z too: not by E, not by the expert-data group's size.
 2. Norm: each gradient element is counted once. Shards of one shard group are
    disjoint (stages 1-3), so their squares are summed over it; replicas hold
    copies and are not. A tensor-parallel slice is disjoint across its tensor
-   group; a weight the plan leaves whole is a copy there.
+   group; a weight the plan leaves whole is a copy there. Experts are disjoint
+   across the EP group; whole experts (stage 0) are copies over the expert-data
+   group, their shards (stages 1-3) disjoint, so over the shard group.
 3. Data: which samples a rank reads (`data_index` of `data_size`).
 4. Values: the ranks of a slice group hold the same parameter values, so a
    model's values are taken from the first rank of each slice group
-   (`same_values_label`); a tensor-parallel model is made whole and equal on
-   every rank before it is split, so the slices are those of one model.
+   (`same_values_label`); a tensor-parallel or expert-parallel model is made
+   whole and equal on every rank before it is split, so the slices are those
+   of one model.
 5. Tokens: a sequence of L tokens is padded to S x ceil(L / S) and split into S
    equal, consecutive slices; sequence rank s holds slice s (`sequence_slice`).
    The batch sizes of the config count data ranks, not sequence or tensor ranks
@@ -59,6 +74,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerodp.errors import ConfigError
+from zerodp.parallel.sequence_slice import SequenceSlice
+from zerodp.parallel.sizes import size_problems
 
 WORLD = "world"
 SHARD = "shard"
@@ -67,8 +84,11 @@ SECONDARY = "secondary"
 SEQUENCE = "sequence"
 TENSOR = "tensor"
 SLICE = "slice"
+EXPERT = "expert"
+EXPERT_DATA = "expert_data"
 
-LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR, SLICE)  # those with process groups
+# The kinds with process groups of their own.
+LABELS = (SHARD, REPLICA, SECONDARY, SEQUENCE, TENSOR, SLICE, EXPERT, EXPERT_DATA)
 KINDS = (WORLD, *LABELS)
 
 
@@ -88,6 +108,7 @@ class ParallelDims:
     secondary_size: int = 1
     sequence_size: int = 1
     tensor_size: int = 1
+    expert_size: int = 1
 
     @classmethod
     def build(
@@ -99,18 +120,21 @@ class ParallelDims:
         secondary_size: int = 1,
         sequence_size: int = 1,
         tensor_size: int = 1,
+        expert_size: int = 1,
     ) -> ParallelDims:
         """The dims for these sizes (`shard_group_size` <= 0: a shard group of every data and
         sequence rank; else the config's `mics_shard_size`, which counts Z x S ranks).
 
         Raises `ConfigError` naming the fix when the sizes do not divide the world.
         """
-        problems = size_problems(world_size, shard_group_size, sequence_size, tensor_size)
+        problems = size_problems(
+            world_size, shard_group_size, sequence_size, tensor_size, expert_size
+        )
         if problems:
             raise ConfigError("; ".join(problems))
         per_slice = world_size // tensor_size
         shard = per_slice if shard_group_size <= 0 else shard_group_size
-        return cls(world_size, rank, shard, secondary_size, sequence_size, tensor_size)
+        return cls(world_size, rank, shard, secondary_size, sequence_size, tensor_size, expert_size)
 
     # -- sizes ---------------------------------------------------------------------------
 
@@ -146,6 +170,15 @@ class ParallelDims:
         return self.sequence_size * self.tensor_size
 
     @property
+    def splits_experts(self) -> bool:
+        return self.expert_size > 1
+
+    @property
+    def expert_data_size(self) -> int:
+        """The ranks of a shard group holding the same experts (Z x S / E)."""
+        return self.shard_group_size // self.expert_size
+
+    @property
     def splits_sequences(self) -> bool:
         return self.sequence_size > 1
 
@@ -167,6 +200,16 @@ class ParallelDims:
     def shard_rank(self) -> int:
         """This rank's place in its shard group (the shard it holds)."""
         return (self.rank // self.tensor_size) % self.shard_group_size
+
+    @property
+    def expert_rank(self) -> int:
+        """Which E-th of every MoE layer's experts this rank holds (its place in its EP group)."""
+        return self.shard_rank % self.expert_size
+
+    @property
+    def expert_data_rank(self) -> int:
+        """This rank's place in its expert-data group (the shard of its experts it holds)."""
+        return self.shard_rank // self.expert_size
 
     @property
     def replica_index(self) -> int:
@@ -219,6 +262,28 @@ class ParallelDims:
             for t in range(self.tensor_size)
         ]
 
+    def expert_groups(self) -> list[list[int]]:
+        """E consecutive places of a shard group: the ranks that hold different experts and
+        exchange tokens (an EP group)."""
+        e = self.expert_size
+        return [
+            [self._rank_at(r, j * e + i, t) for i in range(e)]
+            for r in range(self.num_replicas)
+            for j in range(self.shard_group_size // e)
+            for t in range(self.tensor_size)
+        ]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """The places of a shard group with the same expert rank: they hold the same experts,
+        which ZeRO shards over them (an expert-data group)."""
+        e = self.expert_size
+        return [
+            [self._rank_at(r, j * e + i, t) for j in range(self.shard_group_size // e)]
+            for r in range(self.num_replicas)
+            for i in range(e)
+            for t in range(self.tensor_size)
+        ]
+
     def tensor_groups(self) -> list[list[int]]:
         t = self.tensor_size
         return [list(range(start, start + t)) for start in range(0, self.world_size, t)]
@@ -232,6 +297,16 @@ class ParallelDims:
         in shard order (place k of the group holds shard k)."""
         return [self._rank_at(replica, k, tensor) for k in range(self.shard_group_size)]
 
+    def expert_data_group_ranks(self, replica: int, tensor: int, expert: int) -> list[int]:
+        """The world ranks of the expert-data group of replica `replica`, tensor rank `tensor`
+        and EP rank `expert`, in shard order (place k of the group holds shard k of those
+        experts)."""
+        e = self.expert_size
+        return [
+            self._rank_at(replica, j * e + expert, tensor)
+            for j in range(self.shard_group_size // e)
+        ]
+
     def groups_of(self, label: str) -> list[list[int]]:
         """Every group of kind `label` (a partition of the ranks)."""
         builders = {
@@ -242,6 +317,8 @@ class ParallelDims:
             SEQUENCE: self.sequence_groups,
             TENSOR: self.tensor_groups,
             SLICE: self.slice_groups,
+            EXPERT: self.expert_groups,
+            EXPERT_DATA: self.expert_data_groups,
         }
         if label not in builders:
             raise ValueError(f"no kind of group is called {label!r}; the kinds: {KINDS}")
@@ -260,6 +337,8 @@ class ParallelDims:
             SEQUENCE: self.sequence_size,
             TENSOR: self.tensor_size,
             SLICE: self.world_size // self.tensor_size,
+            EXPERT: self.expert_size,
+            EXPERT_DATA: self.expert_data_size,
         }
         if label not in sizes:
             raise ValueError(f"no kind of group is called {label!r}; the kinds: {KINDS}")
@@ -275,6 +354,8 @@ class ParallelDims:
             return self.keeps_secondary
         if label == SHARD:
             return self.shard_group_size < self.world_size
+        if label == EXPERT_DATA:  # its reductions must not reach the other experts' holders
+            return self.splits_experts
         return 1 < self.group_size(label) < self.world_size
 
     def same_values_label(self) -> str:
@@ -292,7 +373,7 @@ class ParallelDims:
         over the ranks holding the same values (the world without tensor parallelism, the
         slice group with it), every data rank.
         """
-        if label == SHARD:
+        if label in (SHARD, EXPERT_DATA):
             return self.shard_data_size
         if label == REPLICA:
             return self.num_replicas
@@ -335,6 +416,7 @@ class ParallelDims:
             "secondary_size": self.secondary_size,
             "sequence_size": self.sequence_size,
             "tensor_size": self.tensor_size,
+            "expert_size": self.expert_size,
         }
 
     @classmethod
@@ -348,6 +430,9 @@ class ParallelDims:
         world = record["world_size"]
         if world < 1 or record["shard_group_size"] < 1 or record["secondary_size"] < 1:
             raise ValueError(f"parallel dims out of range: {record!r}")
+        expert = record.get("expert_size", 1)  # recorded since expert parallelism
+        if not isinstance(expert, int) or isinstance(expert, bool):
+            raise ValueError(f"a record of parallel dims has an integer expert_size: {record!r}")
         try:
             return cls.build(
                 world,
@@ -356,6 +441,7 @@ class ParallelDims:
                 secondary_size=record["secondary_size"],
                 sequence_size=record["sequence_size"],
                 tensor_size=record["tensor_size"],
+                expert_size=expert,
             )
         except ConfigError as caught:
             raise ValueError(f"parallel dims that do not fit: {caught}") from None
@@ -364,16 +450,23 @@ class ParallelDims:
         """Whether `other` lays the ranks out as these dims do (ranks aside)."""
         return self.to_record() == other.to_record()
 
-    def norm_sum_groups(self, *, sharded: bool, tensor_split: bool = False) -> tuple[str, ...]:
+    def norm_sum_groups(
+        self, *, sharded: bool, tensor_split: bool = False, expert: bool = False
+    ) -> tuple[str, ...]:
         """The groups a squared gradient norm is summed over so that each element counts once.
 
         Rule 2 of [Note: parallel dimensions]. `sharded`: the rank holds a shard of each
         gradient (stages 1-3), else the whole of it (stage 0); `tensor_split`: the
-        gradients are of tensor-parallel slices.
+        gradients are of tensor-parallel slices; `expert`: of expert slices. An expert's
+        shards are disjoint over its expert-data group and the experts over the EP group,
+        which together are the shard group; whole experts (stage 0) are copies over the
+        expert-data group and disjoint over the EP group.
         """
         groups = []
         if sharded and self.shard_group_size > 1:
             groups.append(SHARD)
+        elif expert and not sharded and self.splits_experts:
+            groups.append(EXPERT)
         if tensor_split and self.tensor_size > 1:
             groups.append(TENSOR)
         return tuple(groups)
@@ -385,87 +478,3 @@ class SavedSums:
 
     ranks: tuple[int, ...]
     divisor: int
-
-
-@dataclass(frozen=True)
-class SequenceSlice:
-    """One sequence rank's tokens: [start, stop) of a sequence padded to `padded_length`.
-
-    Rule 5 of [Note: parallel dimensions]: every rank holds the same number of tokens
-    (ceil(length / S)), so the all-to-alls around attention exchange equal blocks; the
-    padding, at most S - 1 tokens, is at the end of the sequence.
-    """
-
-    length: int
-    padded_length: int
-    start: int
-    stop: int
-
-    @classmethod
-    def of(cls, length: int, size: int, rank: int) -> SequenceSlice:
-        if length < 1:
-            raise ValueError(f"a sequence needs at least one token, got length {length}")
-        local = -(-length // size)
-        return cls(length, local * size, rank * local, (rank + 1) * local)
-
-    @property
-    def local_length(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def padding(self) -> int:
-        return self.padded_length - self.length
-
-
-def data_parallel_size(world_size: int, sequence_size: int = 1, tensor_size: int = 1) -> int:
-    """D: the ranks that read different samples, which the config's batch sizes count.
-
-    Raises `ConfigError` naming the fix when the sequence and tensor sizes do not divide
-    the world (rule 5 of [Note: parallel dimensions]).
-    """
-    problems = size_problems(world_size, -1, sequence_size, tensor_size)
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return world_size // (sequence_size * tensor_size)
-
-
-def size_problems(
-    world_size: int, shard_group_size: int, sequence_size: int, tensor_size: int
-) -> list[str]:
-    """What is wrong with these sizes (each message names the fix); empty when they fit."""
-    problems = []
-    for name, size in (
-        ("sequence_parallel_size", sequence_size),
-        ("tensor_parallel.autotp_size", tensor_size),
-    ):
-        if size < 1:
-            problems.append(f"{name} must be at least 1, got {size}")
-    if problems:
-        return problems
-    inner = sequence_size * tensor_size
-    if world_size % inner != 0:
-        problems.append(
-            f"sequence_parallel_size {sequence_size} x tensor_parallel.autotp_size "
-            f"{tensor_size} = {inner} does not divide the world size {world_size}: launch a "
-            f"multiple of {inner} ranks, or choose sizes whose product divides {world_size}"
-        )
-        return problems
-    per_slice = world_size // tensor_size
-    if shard_group_size > 0:
-        if per_slice % shard_group_size != 0:
-            ranks = (
-                f"the world size {world_size}"
-                if tensor_size == 1
-                else f"the {per_slice} ranks that shard each tensor-parallel slice"
-            )
-            problems.append(
-                f"zero_optimization.mics_shard_size {shard_group_size} does not divide {ranks}: "
-                f"set it to a divisor of {per_slice} (e.g. the ranks per node), or to -1 to "
-                "shard over all of them"
-            )
-        elif shard_group_size % sequence_size != 0:
-            problems.append(
-                f"zero_optimization.mics_shard_size {shard_group_size} splits a sequence group of "
-                f"{sequence_size} ranks: set it to a multiple of sequence_parallel_size"
-            )
-    return problems

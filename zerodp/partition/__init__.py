@@ -7,5 +7,6 @@ Nothing here issues a collective.
 
 from zerodp.partition.flat_group import FlatGroup
 from zerodp.partition.layout import FlatLayout, ParamSlot, ShardOverlap
+from zerodp.partition.slicing import Slicing
 
-__all__ = ["FlatGroup", "FlatLayout", "ParamSlot", "ShardOverlap"]
+__all__ = ["FlatGroup", "FlatLayout", "ParamSlot", "ShardOverlap", "Slicing"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from zerodp.partition.blocks import claim_units, plan_block_units
 from zerodp.partition.flat_group import FlatGroup
 from zerodp.partition.planner import GroupPlan, ParamInfo, plan_buckets, plan_stage3
+from zerodp.partition.slicing import Slicing
 from zerodp.torch_internals import direct_parameters
 
 
@@ -23,12 +25,15 @@ class ModelLayout:
 
 
 def describe_params(
-    module: nn.Module, trainable_groups: dict[int, int], tensor_split: frozenset[int] = frozenset()
+    module: nn.Module,
+    trainable_groups: dict[int, int],
+    slicing: Mapping[int, Slicing] | None = None,
 ) -> tuple[list[nn.Parameter], list[ParamInfo], dict[nn.Module, list[nn.Parameter]]]:
     """Every distinct parameter with its metadata, and each module's direct parameters.
 
-    `tensor_split`: the ids of the parameters that are tensor-parallel slices.
+    `slicing`: id(param) -> its kind of slice, for the parameters that are slices.
     """
+    slicing = slicing or {}
     params: list[nn.Parameter] = []
     infos: list[ParamInfo] = []
     owner: dict[int, int] = {}
@@ -49,7 +54,7 @@ def describe_params(
                 param_group=trainable_groups.get(id(param), -1),
                 trainable=id(param) in trainable_groups,
                 owner=owner[id(param)],
-                tensor_split=id(param) in tensor_split,
+                slicing=slicing.get(id(param), Slicing.WHOLE),
             )
         )
     return params, infos, module_params
@@ -126,7 +131,8 @@ def build_layout(
     presharded: list[FlatGroup] | None = None,
     units: UnitRule | None = None,
     unit_excluded: set[nn.Module] | None = None,
-    tensor_split: frozenset[int] = frozenset(),
+    slicing: Mapping[int, Slicing] | None = None,
+    expert_places: tuple[int, int] | None = None,
 ) -> ModelLayout:
     """Flat groups for `module`; `trainable_groups` maps id(param) to its optimizer group.
 
@@ -134,10 +140,12 @@ def build_layout(
     are); stage 3 shards frozen parameters too, since they take memory alike.
     `owns_full` (stage 0) makes each rank's optimizer own whole groups.
     `units` (stage 3): see `UnitRule`; a unit's sharded parameters share one
-    flat group (per dtype, optimizer param group and trainability). `tensor_split`: ids of
-    tensor-parallel slices, which never share a group with whole parameters.
+    flat group (per dtype, optimizer param group and trainability). `slicing`: id(param) ->
+    the kind of slice it is (tensor or expert), which never share a group with whole
+    parameters or each other. `expert_places`: (world size, rank) of the expert-data group,
+    which expert slices are sharded over (the shard group's `world_size`, `rank` otherwise).
     """
-    params, infos, module_params = describe_params(module, trainable_groups, tensor_split)
+    params, infos, module_params = describe_params(module, trainable_groups, slicing)
     if shard_params and units is not None:
         unit_of = units.plan(module, unit_excluded or set())
         if unit_of:
@@ -172,16 +180,22 @@ def build_layout(
         param_group = infos[plan.members[0]].param_group
         if adopted is None:
             persistent = plan.persistent or not shard_params
+            kind = infos[plan.members[0]].slicing
+            places = (world_size, rank)
+            if kind is Slicing.EXPERT:
+                if expert_places is None:  # pragma: no cover - the engine passes them
+                    raise RuntimeError("internal error: expert slices without expert places")
+                places = expert_places
             flat = FlatGroup(
                 params=[params[i] for i in plan.members],
                 names=names,
-                world_size=world_size,
-                rank=rank,
+                world_size=places[0],
+                rank=places[1],
                 device=device,
                 param_group_index=param_group,
                 persistent=persistent,
                 owns_full=owns_full and persistent,
-                tensor_split=infos[plan.members[0]].tensor_split,
+                slicing=kind,
             )
         else:  # built already sharded (zero.Init): adopt it as it is
             flat = adopted

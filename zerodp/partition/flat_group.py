@@ -22,6 +22,7 @@ from torch import nn
 
 from zerodp.errors import ParamStateError
 from zerodp.partition.layout import FlatLayout
+from zerodp.partition.slicing import Slicing
 from zerodp.torch_internals import PlainTensorOps
 
 
@@ -39,7 +40,7 @@ class FlatGroup:
         param_group_index: int,
         persistent: bool,
         owns_full: bool = False,
-        tensor_split: bool = False,
+        slicing: Slicing = Slicing.WHOLE,
     ) -> None:
         if not params:
             raise ValueError("a FlatGroup needs at least one parameter")
@@ -57,9 +58,12 @@ class FlatGroup:
         self.layout = FlatLayout.build([tuple(p.shape) for p in params], world_size)
         self.persistent = persistent
         self.owns_full = owns_full
-        # Its parameters are tensor-parallel slices (each rank of a tensor group holds other
-        # values): the gradient norm sums their squares over the tensor group too.
-        self.tensor_split = tensor_split
+        # Whether its parameters are slices (each rank of a tensor or EP group holds other
+        # values): the gradient norm sums their squares over that group too, and `world_size`
+        # and `rank` are those of the ranks holding the same values (for experts, the
+        # expert-data group).
+        self.slicing = slicing
+        self.world_size = world_size
 
         self.full = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=device)
         with torch.no_grad():
@@ -71,6 +75,16 @@ class FlatGroup:
         start, end = self.layout.shard_range(rank)
         self.shard = self.full[start:end] if persistent else self.full[start:end].clone()
         self.shard_offloaded = False  # the shard lives on the host or in a file (offload_param)
+
+    @property
+    def tensor_split(self) -> bool:
+        """Its parameters are tensor-parallel slices."""
+        return self.slicing is Slicing.TENSOR
+
+    @property
+    def expert(self) -> bool:
+        """Its parameters are expert slices, sharded over the expert-data group."""
+        return self.slicing is Slicing.EXPERT
 
     @property
     def trainable(self) -> bool:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerodp.partition.slicing import Slicing
+
 
 @dataclass(frozen=True)
 class ParamInfo:
@@ -24,7 +26,7 @@ class ParamInfo:
     param_group: int  # optimizer param group; -1 for frozen parameters
     trainable: bool
     owner: int  # index of the first module (in module.modules() order) registering it
-    tensor_split: bool = False  # a tensor-parallel slice (zerodp.tensor_parallel)
+    slicing: Slicing = Slicing.WHOLE  # a slice of a tensor-parallel or expert-parallel tensor
 
 
 @dataclass(frozen=True)
@@ -46,14 +48,14 @@ class GroupPlan:
         return min(self.members)
 
 
-def _key(info: ParamInfo) -> tuple[int, torch.dtype, bool, bool]:
-    return (info.param_group, info.dtype, info.trainable, info.tensor_split)
+def _key(info: ParamInfo) -> tuple[int, torch.dtype, bool, Slicing]:
+    return (info.param_group, info.dtype, info.trainable, info.slicing)
 
 
 def plan_buckets(infos: list[ParamInfo], bucket_numel: int, persistent: bool) -> list[GroupPlan]:
     """Chunk parameters, latest-registered first, into groups of at most `bucket_numel`."""
-    open_groups: dict[tuple[int, torch.dtype, bool, bool], list[int]] = {}
-    open_sizes: dict[tuple[int, torch.dtype, bool, bool], int] = {}
+    open_groups: dict[tuple[int, torch.dtype, bool, Slicing], list[int]] = {}
+    open_sizes: dict[tuple[int, torch.dtype, bool, Slicing], int] = {}
     plans: list[GroupPlan] = []
     for info in sorted(infos, key=lambda i: i.index, reverse=True):
         key = _key(info)
@@ -79,7 +81,7 @@ def plan_stage3(
     """
     small = [i for i in infos if i.numel < persistence_threshold]
     large = [i for i in infos if i.numel >= persistence_threshold]
-    by_module: dict[tuple[int, int, torch.dtype, bool, bool], list[int]] = {}
+    by_module: dict[tuple[int, int, torch.dtype, bool, Slicing], list[int]] = {}
     for info in sorted(large, key=lambda i: i.index):
         by_module.setdefault((info.owner, *_key(info)), []).append(info.index)
     plans = [GroupPlan(tuple(members), persistent=False) for members in by_module.values()]

@@ -145,22 +145,25 @@ class FullParameterStream:
     def _receive(self, run: list[_Entry]) -> tuple[torch.Tensor, list[Handle]]:
         """One receive buffer for a run of consecutive parameters of one sharded group,
         filled by a broadcast from each rank that holds part of it (all in flight)."""
-        flat = run[0].state.flat  # type: ignore[union-attr]
+        state = run[0].state
+        if state is None:  # pragma: no cover - runs are of sharded groups only
+            raise RuntimeError("internal error: a run without its group")
+        flat, comm = state.flat, state.comm  # the group it is sharded over
         lo = flat.slot_of(run[0].position)[0]
         hi = flat.slot_of(run[-1].position)[1]
         received = torch.empty(hi - lo, dtype=flat.dtype, device=self.device)
         shard_numel = flat.shard_numel
         handles = []
-        for rank in range(self.comm.world_size):
+        for rank in range(comm.world_size):
             start = max(lo, rank * shard_numel)
             end = min(hi, (rank + 1) * shard_numel)
             if start >= end:
                 continue
             part = received[start - lo : end - lo]
-            if rank == self.comm.rank:
+            if rank == comm.rank:
                 offset = rank * shard_numel
                 part.copy_(flat.shard[start - offset : end - offset])
-            handles.append(self.comm.broadcast(part, src=rank, async_op=True))
+            handles.append(comm.broadcast(part, src=rank, async_op=True))
         return received, handles
 
     def _merge(self, merge: LoraMerge, value: torch.Tensor) -> None:

@@ -159,7 +159,7 @@ class InitOwner:
         flat.take_shard_from_full()
         # Groups are numbered in creation order, the same on every rank.
         gather = GatherState(flat, self.shard_comm)
-        state = GroupState(flat, order=len(self.index), gather=gather)
+        state = GroupState(flat, order=len(self.index), comm=self.shard_comm, gather=gather)
         self.index.add(state)
         for param in params:
             zero_parameter.adopt(param, self)

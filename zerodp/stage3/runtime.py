@@ -31,9 +31,10 @@ from zerodp.stage3.module_hooks import Stage3ModuleHooks
 from zerodp.stage3.saved_tensors import SavedTensorGatherer
 
 
-def all_gather_full(states: list[GroupState], comm: Comm) -> None:
-    """Make each group's full buffer match every rank's (updated) shard, all in flight at once."""
-    handles = [comm.all_gather(s.flat.full, s.flat.shard, async_op=True) for s in states]
+def all_gather_full(states: list[GroupState]) -> None:
+    """Make each group's full buffer match every rank's (updated) shard, all in flight at once,
+    each in the group it is sharded over (`GroupState.comm`)."""
+    handles = [s.comm.all_gather(s.flat.full, s.flat.shard, async_op=True) for s in states]
     for handle in handles:
         handle.wait()
 
@@ -57,9 +58,8 @@ def _own_groups(
 class ResidentParams:
     """Stages 0-2: parameters stay whole; the stage 3 surface, doing only what applies."""
 
-    def __init__(self, index: GroupIndex, comm: Comm, *, publish_after_step: bool) -> None:
+    def __init__(self, index: GroupIndex, *, publish_after_step: bool) -> None:
         self.index = index
-        self.comm = comm
         self._publishes = publish_after_step  # stage 0 steps whole groups: nothing to gather
 
     def status(self, param: nn.Parameter) -> ParamStatus:
@@ -85,7 +85,7 @@ class ResidentParams:
 
     def publish_after_step(self) -> None:
         if self._publishes:
-            all_gather_full(self.index.trainable, self.comm)
+            all_gather_full(self.index.trainable)
 
     def teardown(self) -> None:
         """Parameters are plain and whole already."""
@@ -143,7 +143,6 @@ class Stage3Runtime:
         reducer: GradientReducer | None = None,
     ) -> None:
         self.index = index
-        self.comm = comms.shard  # persistent groups are gathered in the shard group
         self.order = order
         self.gatherer = GroupGatherer(
             index.sharded,
@@ -215,7 +214,7 @@ class Stage3Runtime:
                 state.gather.to_available()
             if state.status is ParamStatus.AVAILABLE:
                 resident.append(state)
-        all_gather_full(resident, self.comm)
+        all_gather_full(resident)
 
     def teardown(self) -> None:
         """Gather everything and leave plain, whole parameters behind.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from zerodp.config.deepspeed_keys.deepcompile import DEEPCOMPILE_KNOBS
 from zerodp.config.deepspeed_keys.ignored.entry import Ignored, equals
-from zerodp.config.deepspeed_keys.kinds import BOOL, STR
+from zerodp.config.deepspeed_keys.kinds import ANY, BOOL, INT, STR
 
 FEATURES: tuple[Ignored, ...] = (
     # --- checkpoint, eigenvalue -------------------------------------------------------------
@@ -55,5 +55,46 @@ FEATURES: tuple[Ignored, ...] = (
         "zerodp splits the model already in memory at initialize (nothing is loaded then)",
         equals(False),
         "zerodp splits the model where it is, then moves each rank's slices to its device",
+    ),
+    # --- expert_parallel: AutoEP's kernel knobs and model descriptions -------------------------
+    *(
+        Ignored(
+            f"expert_parallel.{name}",
+            kind,
+            "a setting of DeepSpeed's AutoEP kernels; zerodp dispatches with its own all-to-alls",
+        )
+        for name, kind in (
+            ("use_grouped_mm", BOOL),
+            ("disable_triton_grouped_mm", BOOL),
+            ("combine_impl", STR),
+            ("row_weighting_impl", STR),
+            ("gate_up_impl", STR),
+            ("comm_backend", STR),
+            ("comm_num_sm", INT),
+            ("comm_qp_margin", INT),
+            ("comm_max_tokens_per_rank", INT),
+            ("async_split_plan", BOOL),
+            ("validate_folding_routing", BOOL),
+        )
+    ),
+    *(
+        Ignored(
+            f"expert_parallel.{name}",
+            kind,
+            "zerodp reads the experts, router and shared experts from the model itself (its "
+            "expert plan), not from a description",
+        )
+        for name, kind in (
+            ("router_pattern", STR),
+            ("expert_w1", STR),
+            ("expert_w2", STR),
+            ("expert_w3", ANY),
+            ("num_experts_attr", STR),
+            ("top_k_attr", STR),
+            ("has_shared_experts", ANY),
+            ("shared_experts_pattern", STR),
+            ("shared_experts_gate_pattern", STR),
+            ("expert_activation", ANY),
+        )
     ),
 )
