@@ -147,7 +147,7 @@ def failures_surface(directory: str) -> dict[str, object]:
         engine.save_checkpoint(folder, "c")
         run.micro_steps(engine, loader, 1)  # training goes on
         out["at_wait"] = _raised(engine.wait_for_checkpoint)
-    assert engine.wait_for_checkpoint() is not None  # raised once, not again
+    assert engine.wait_for_checkpoint() is None  # raised once, not again; nothing committed
     with _full_disk_on(0, "json"):
         engine.save_checkpoint(folder, "d")
         run.micro_steps(engine, loader, 1)
@@ -200,7 +200,6 @@ def load_latest(directory: str) -> dict[str, object]:
 
 def test_a_kill_while_writing_keeps_the_previous_latest(pools, tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
-    start = time.monotonic()
     exits = run_ranks([str(SCRIPT), "kill", str(folder)], timeout_s=120)
     assert [e.status for e in exits] == [-9, -9], [(e.status, e.output[-2000:]) for e in exits]
     assert all("TRAINED ON" in e.output for e in exits), [e.output[-2000:] for e in exits]
@@ -209,7 +208,6 @@ def test_a_kill_while_writing_keeps_the_previous_latest(pools, tmp_path: Path) -
     assert len(leftovers) == 1, leftovers  # every rank's files were written, never committed
     result = pools(2).run(load_latest, str(folder))[0]
     assert result == {"loaded": "before", "names": ["again", "before", "latest"]}
-    assert time.monotonic() - start < 60
 
 
 def test_a_failure_nobody_waited_for_is_logged_at_exit(tmp_path: Path) -> None:

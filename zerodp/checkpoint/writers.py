@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from zerodp.checkpoint.agreed import agreed
 from zerodp.checkpoint.background_save import BackgroundSave, WriteState
-from zerodp.checkpoint.host_staging import HostStagedPlanner
+from zerodp.checkpoint.host_staging import HostBuffers, HostStagedPlanner
 from zerodp.checkpoint.save_load import save_checkpoint
 from zerodp.checkpoint.save_request import SaveRequest, abandon, prepare_save, state_tensors
 from zerodp.checkpoint.sharded import quiet_sharded_tensor_warnings
@@ -84,7 +84,8 @@ class CheckpointWriter(Protocol):
     ) -> Path: ...
 
     def wait(self, comm: Comm) -> Path | None:
-        """Every rank: wait until the last save is committed; raise its error on every rank."""
+        """Every rank: wait until the last save is committed (its path; None if there is
+        none, or it failed); raise its error on every rank, once."""
         ...
 
     def close(self) -> None:
@@ -118,6 +119,7 @@ class DecoupledWriter:
     def __init__(self, deadline_s: float) -> None:
         self._deadline_s = deadline_s  # how long the background waits for the other ranks
         self._pending: BackgroundSave | None = None
+        self._buffers = HostBuffers()  # one host copy, reused by every save
         self._reported = True  # whether the pending save's verdict reached the caller
         _UNCOLLECTED.add(self)
 
@@ -144,7 +146,7 @@ class DecoupledWriter:
     def _stage(self, subject: CheckpointSubject, request: SaveRequest) -> BackgroundSave:
         """Plan (collectives, every rank) and copy this rank's items to host memory."""
         comm = subject.comm
-        planner = HostStagedPlanner()
+        planner = HostStagedPlanner(self._buffers)
         storage = FileSystemWriter(str(request.temp), single_file_per_rank=True, sync_files=True)
         planned: dict[str, Any] = {}
 
@@ -183,10 +185,12 @@ class DecoupledWriter:
             job.join()
             error = self._take_error(job)
         comm.raise_if_any_failed(error)
-        return None if job is None else job.request.final
+        committed = job is not None and job.state is WriteState.COMMITTED
+        return job.request.final if committed else None
 
     def close(self) -> None:
         job = self._pending
+        self._buffers = HostBuffers()  # the host copy is no longer needed once written
         if job is None:
             return
         job.join()

@@ -97,7 +97,8 @@ class CheckpointMethods:
         return str(path)
 
     def wait_for_checkpoint(self) -> str | None:
-        """Wait until the last decoupled save is committed; its path (None: none was made).
+        """Wait until the last decoupled save is committed; its path (None: there is none,
+        or it failed and its error was raised before).
 
         A collective: every rank calls it. If the save failed, every rank raises the same
         `CheckpointError`, naming the rank and the file; 'latest' then still names the
