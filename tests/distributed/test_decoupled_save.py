@@ -25,7 +25,6 @@ import contextlib
 import errno
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

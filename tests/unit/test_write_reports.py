@@ -60,5 +60,5 @@ def test_a_store_that_fails_is_a_checkpoint_error() -> None:
             raise RuntimeError("Connection reset by peer")
 
     board = ReportBoard(GoneStore(), "x", 1, 2, 1.0)
-    with pytest.raises(CheckpointError, match="store failed.*Connection reset by peer"):
+    with pytest.raises(CheckpointError, match=r"store failed.*Connection reset by peer"):
         board.post_report(RankReport(1, [], {}))

@@ -185,8 +185,9 @@ class DecoupledWriter:
             job.join()
             error = self._take_error(job)
         comm.raise_if_any_failed(error)
-        committed = job is not None and job.state is WriteState.COMMITTED
-        return job.request.final if committed else None
+        if job is None or job.state is not WriteState.COMMITTED:
+            return None
+        return job.request.final
 
     def close(self) -> None:
         job = self._pending
