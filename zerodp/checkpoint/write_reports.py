@@ -8,9 +8,10 @@ per save) and rank 0 removes the keys once they are read.
 
 The store is not a process group: reading and writing it from the writing thread
 never meets a collective of the training, on any rank. A wait polls the store
-until a deadline (the engine's collective timeout), and gives up at once when a
-peer has posted that it is ending ([Note: failure notices]) or when the store
-itself is gone (its host process died).
+until a deadline (the engine's collective timeout), and gives up at once when the
+store itself is gone (its host process died). A rank whose script failed still
+reports: its interpreter waits for the writing thread before it ends, so a
+failure notice ([Note: failure notices]) is no reason to stop waiting for it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from zerodp.comm.faults.failure_notices import read_exits
 from zerodp.errors import AGREED_TYPES, CheckpointError
 
 _PREFIX = "zerodp/decoupled_save/"
@@ -119,11 +119,6 @@ class ReportBoard:
             missing = [key for key in keys if not self._call(self._store.check, [key])]
             if not missing:
                 return
-            exits = [n for n in read_exits() if n.rank != self.rank]
-            if exits:
-                raise CheckpointError(
-                    f"waiting for {what}: {exits[0].describe()}; the save was not committed"
-                )
             if time.monotonic() > end:
                 raise CheckpointError(
                     f"waiting for {what}: {len(missing)} missing after {within_s:.0f} s "
