@@ -8,7 +8,8 @@ save 'before' and wait for it, then save 'after' (decoupled) and train on:
 - kill: each rank's writer kills its own process with SIGKILL once training has gone on,
   rank 1 right after it posted its report, rank 0 once every report is in (the files of
   both ranks are written and fsynced; only the commit is left);
-- exit: the last rank cannot write its data file (ENOSPC); the script ends without waiting.
+- exit: the last rank cannot write its data file (ENOSPC); the script ends without waiting;
+- finish: the writer takes a second before it writes; the script ends without waiting.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         background_save.on_write_step = die
+    elif mode == "finish":
+
+        def slow(step: str) -> None:
+            if step == "started":
+                time.sleep(1.0)
+
+        background_save.on_write_step = slow
     elif rank == engine.world_size - 1:
         from torch.distributed.checkpoint import filesystem
 

@@ -12,9 +12,9 @@
   `destroy`; `latest` still names the checkpoint before it, which loads.
 - A process killed while it writes (fresh ranks, SIGKILL from the writer's own thread at
   its last steps: rank 1 after its report, rank 0 with every report in, just before the
-  commit) leaves the previous `latest`, which loads the uninterrupted run's state; a
-  script that ends without waiting for a failed save (one rank: a process start is the
-  cost) logs the error at exit, naming the file, after the interpreter waited for it.
+  commit) leaves the previous `latest`, which loads the uninterrupted run's state.
+- A script that ends without waiting has its save committed before the process ends; a
+  failed one is logged at exit, naming the file.
 
 Each reference is computed here: the same run without a save.
 """
@@ -26,6 +26,7 @@ import errno
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -206,12 +207,22 @@ def test_a_kill_while_writing_keeps_the_previous_latest(pools, tmp_path: Path) -
     assert result == {"loaded": "before", "names": ["again", "before", "latest"]}
 
 
-def test_a_failure_nobody_waited_for_is_logged_at_exit(tmp_path: Path) -> None:
-    folder = tmp_path / "ckpt"
-    exits = run_ranks([str(SCRIPT), "exit", str(folder)], world_size=1, timeout_s=120)
-    assert [e.status for e in exits] == [0], [e.output[-2000:] for e in exits]
-    output = exits[0].output
+def test_the_end_of_a_script_waits_for_its_save(tmp_path: Path) -> None:
+    """One rank each (a process start is the cost), both at once: a save the script never
+    waited for is committed before the process ends; one that failed is logged at exit,
+    naming the file (after the interpreter waited for the writer)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = {
+            mode: pool.submit(run_ranks, [str(SCRIPT), mode, str(tmp_path / mode)], 1, 120)
+            for mode in ("finish", "exit")
+        }
+        finish, failed = runs["finish"].result()[0], runs["exit"].result()[0]
+    assert finish.status == 0, finish.output[-3000:]
+    assert (tmp_path / "finish" / "latest").read_text() == "after", finish.output[-3000:]
+    assert (tmp_path / "finish" / "after" / checksums.CHECKSUM_FILE).is_file()
+    assert failed.status == 0, failed.output[-3000:]
+    output = failed.output
     assert "the script ended without waiting for it" in output, output[-3000:]
     assert "the decoupled save of checkpoint 'after'" in output, output[-3000:]
     assert "__0_0.distcp" in output and "No space left on device" in output, output[-3000:]
-    assert (folder / "latest").read_text() == "before"
+    assert (tmp_path / "exit" / "latest").read_text() == "before"
