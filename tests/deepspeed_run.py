@@ -28,7 +28,7 @@ DEEPSPEED_WORLD_SIZE = 2
 STAGES = (1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
 # Fixtures also converted with DeepSpeed's ds_to_universal (stage, precision).
-UNIVERSAL = ((2, "fp32"), (3, "bf16"))
+UNIVERSAL = ((1, "fp16"), (2, "fp32"), (3, "bf16"))
 
 
 class FixtureNet(nn.Module):

@@ -2,6 +2,7 @@
 
     pip install -e ".[fixtures]"   # DeepSpeed 0.19.8; never a dependency of zerodp itself
     DS_ACCELERATOR=cpu python tools/make_deepspeed_fixtures.py [--out DIR] [--only stage2_fp32]
+    DS_ACCELERATOR=cpu python tools/make_deepspeed_fixtures.py --universal-only [--only ...]
 
 For each ZeRO stage (1, 2, 3) and precision (fp32, bf16, fp16) it trains the
 run of `tests/deepspeed_run.py` with DeepSpeed at world size 2 (gloo, CPU),
@@ -14,7 +15,8 @@ read through DeepSpeed's own accessors. Those records go to
 `<fixture>/expected.safetensors` (tensors, plus a JSON header entry), next to
 the checkpoint (`latest`, `global_step3/`). The checkpoints in `UNIVERSAL` are
 also converted with DeepSpeed's `ds_to_universal` (`global_step3_universal/`,
-`latest_universal`).
+`latest_universal`); `--universal-only` converts the checkpoints already there
+without training again (how stage1_fp16's universal folder was added).
 
 `CLIENT_FIXTURE` (stage 2, fp32) is the same run started as DeepSpeed-Chat or
 an HF Trainer starts it: its own torch AdamW and StepLR passed to
@@ -275,10 +277,24 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "tests/data/deepspeed_checkpoints")
     parser.add_argument("--only", default=None, help="one fixture, e.g. stage2_fp32")
+    parser.add_argument(
+        "--universal-only",
+        action="store_true",
+        help="convert the existing checkpoints of the UNIVERSAL fixtures (or of --only) with "
+        "ds_to_universal, without training them again",
+    )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.universal_only:
+        for stage, precision in run.UNIVERSAL:
+            name = run.fixture_name(stage, precision)
+            if args.only in (None, name):
+                shutil.rmtree(args.out / name / f"{TAG}_universal", ignore_errors=True)
+                make_universal(args.out / name)
+                print(f"converted {args.out / name}", flush=True)
+        return 0
     for stage in run.STAGES:
         for precision in run.PRECISIONS:
             if args.only not in (None, run.fixture_name(stage, precision)):

@@ -5,8 +5,10 @@ The fixtures in tests/data/deepspeed_checkpoints were written by DeepSpeed
 tests/deepspeed_run.py at world size 2, for ZeRO stages 1-3 in fp32, bf16 and
 fp16, saved after 3 steps, with DeepSpeed's next 3 steps recorded (global mean
 loss, lr, loss scale, and every parameter's fp32 master and Adam moments, read
-through DeepSpeed's accessors). Two are also converted to DeepSpeed's
-universal format.
+through DeepSpeed's accessors). Three (stage 1 fp16, stage 2 fp32, stage 3
+bf16) are also converted by DeepSpeed's `ds_to_universal`; those cases load the
+universal folder as a DeepSpeed run would, through `checkpoint.load_universal`
+and `latest_universal` (the ZeRO folder's `latest` sits beside it).
 
 zerodp at world sizes 1, 2 and 3 (and every zerodp stage, 0-3, across the
 cases) loads each one and must hold exactly DeepSpeed's fp32 masters, Adam
@@ -91,11 +93,15 @@ def expected(stage: int, precision: str) -> tuple[dict[str, torch.Tensor], dict[
         return {key: file.get_tensor(key) for key in file.keys()}, record  # noqa: SIM118
 
 
-def _build(stage: int, precision: str, zero_stage: int) -> tuple[torch.nn.Module, Any]:
+def _build(
+    stage: int, precision: str, zero_stage: int, load_universal: bool = False
+) -> tuple[torch.nn.Module, Any]:
     world = dist.get_world_size()
     model = run.build_model()
     config = run.config(stage, precision, world)
     config["zero_optimization"] = {"stage": zero_stage}
+    if load_universal:  # DeepSpeed's way to a universal checkpoint: `latest_universal`
+        config["checkpoint"] = {"load_universal": True}
     engine, *_ = zerodp.initialize(
         model=model, model_parameters=run.param_groups(model), config=config
     )
@@ -135,9 +141,9 @@ def continue_fixtures(cases: list[tuple[int, str, str | None]]) -> list[dict[str
     for stage, precision, tag in cases:
         want, record = expected(stage, precision)
         zero_stage = zerodp_stage(stage, world)
-        model, engine = _build(stage, precision, zero_stage)
+        model, engine = _build(stage, precision, zero_stage, load_universal=tag is not None)
         folder = FIXTURES / run.fixture_name(stage, precision)
-        path, client = engine.load_checkpoint(str(folder), tag=tag)
+        path, client = engine.load_checkpoint(str(folder))
         result: dict[str, Any] = {
             "case": (stage, precision, tag, zero_stage, world),
             "path": Path(path).name,

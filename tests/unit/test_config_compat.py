@@ -130,8 +130,26 @@ def test_no_effect_blocks_check_their_keys() -> None:
 def test_checkpoint_section_keys_are_checked() -> None:
     with raises("unknown config key 'checkpoint.tag_validaton'; did you mean 'tag_validation'?"):
         load(checkpoint={"tag_validaton": "Warn"})
-    text = warning_of(checkpoint={"tag_validation": "Ignore", "load_universal": False})
-    assert "checkpoint.load_universal: zerodp checkpoints load at any world size" in text
+    text = warning_of(
+        checkpoint={"tag_validation": "Ignore", "writer": {"type": "FAST", "io_buffer_size": 1e6}}
+    )
+    assert "checkpoint.tag_validation: zerodp does not compare checkpoint tags" in text
+    assert "checkpoint.writer.type: zerodp writes with torch.distributed.checkpoint" in text
+    assert "checkpoint.writer.io_buffer_size: a setting of DeepSpeed's fast checkpoint" in text
+    with raises("unknown config key 'checkpoint.writer.decoupeld'; did you mean 'decoupled'?"):
+        load(checkpoint={"writer": {"decoupeld": True}})
+    with raises("zerodp does not implement DeepSpeed's mock checkpoint writer"):
+        load(checkpoint={"writer": {"type": "mock"}})
+    with raises("config key 'checkpoint.writer.decoupled': got 'yes'; allowed: true or false"):
+        load(checkpoint={"writer": {"decoupled": "yes"}})
+
+
+def test_checkpoint_section_is_read() -> None:
+    default = load()
+    assert not default.checkpoint.writer.decoupled and not default.checkpoint.load_universal
+    config = load(checkpoint={"writer": {"decoupled": True}, "load_universal": True})
+    assert config.checkpoint.writer.decoupled and config.checkpoint.load_universal
+    assert not load(checkpoint={"writer": None}).checkpoint.writer.decoupled  # DeepSpeed's null
 
 
 def test_auto_on_a_key_without_effect_is_accepted() -> None:

@@ -108,6 +108,20 @@ def test_formats_are_recognised_from_the_files(tmp_path: Path) -> None:
     assert find_checkpoint(tmp_path, "t") is None  # zerodp's own
 
 
+def test_load_universal_reads_latest_universal_first(tmp_path: Path) -> None:
+    """`checkpoint.load_universal` (DeepSpeed's key): with no tag, `latest_universal` is read
+    before `latest`; either alone is read whatever the setting."""
+    both = FIXTURES / "stage2_fp32"  # ds_to_universal's output beside the ZeRO checkpoint
+    for prefer, expected in ((False, DeepSpeedFormat.ZERO), (True, DeepSpeedFormat.UNIVERSAL)):
+        found = find_checkpoint(both, None, prefer_universal=prefer)
+        assert found is not None and found.format is expected, prefer
+    only_zero = tmp_path / "zero"
+    shutil.copytree(both / "global_step3", only_zero / "global_step3")
+    (only_zero / "latest").write_text("global_step3")
+    found = find_checkpoint(only_zero, None, prefer_universal=True)
+    assert found is not None and found.format is DeepSpeedFormat.ZERO
+
+
 def test_model_parallel_and_incomplete_folders_are_refused(tmp_path: Path) -> None:
     folder = tmp_path / "global_step3"
     shutil.copytree(FIXTURES / "stage1_fp32" / "global_step3", folder)

@@ -1,7 +1,9 @@
 """Sharded, atomic, reshardable checkpoints on torch.distributed.checkpoint (DCP).
 
 `save_load` saves and loads a `CheckpointSubject` (the engine's state, handed
-over as narrow pieces; see `subject`); `tensors` says which tensor goes under
+over as narrow pieces; see `subject`); `writers` is how an engine saves:
+synchronously, or decoupled from training (`host_staging`, `background_save`,
+`write_reports`; both start from `save_request`); `tensors` says which tensor goes under
 which key (layout-independent: one 1-D tensor per parameter); `sharded` wraps
 ShardedTensor; `json_state` and `jsonable` are the JSON part; `paths`
 validates and commits atomically; `integrity` checks a checkpoint before

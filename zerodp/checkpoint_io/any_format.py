@@ -27,7 +27,7 @@ def load_any_checkpoint(
     error: BaseException | None = None
     files = None
     try:
-        files = find_checkpoint(load_dir, options.tag)
+        files = find_checkpoint(load_dir, options.tag, options.prefer_universal)
     except CHECKPOINT_FAILURES as caught:
         error = caught
     comm.raise_if_any_failed(error)

@@ -81,8 +81,17 @@ def restore_rank_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), position, has_gauss, cached))
 
 
+def json_text(data: Any) -> str:
+    """`data` as the text of a checkpoint JSON file (raises if it is not JSON)."""
+    return json.dumps(data, indent=1, allow_nan=True)
+
+
 def write_json(path: Path, data: Any) -> None:
-    write_file_synced(path, json.dumps(data, indent=1, allow_nan=True).encode())
+    write_json_text(path, json_text(data))
+
+
+def write_json_text(path: Path, text: str) -> None:
+    write_file_synced(path, text.encode())
 
 
 def read_shared_state(path: Path) -> dict[str, Any]:

@@ -22,6 +22,8 @@ class LoadOptions:
         random generators, data-loader position or kept gradients).
     verify_checksums: check every file against the checkpoint's checksums (zerodp's
         format; DeepSpeed's has none).
+    prefer_universal: with no tag, read DeepSpeed's `latest_universal` before `latest`
+        (the config's `checkpoint.load_universal`).
     """
 
     tag: str | None = None
@@ -29,6 +31,7 @@ class LoadOptions:
     load_lr_scheduler_states: bool = True
     load_module_only: bool = False
     verify_checksums: bool = True
+    prefer_universal: bool = False
 
     @property
     def with_optimizer(self) -> bool:

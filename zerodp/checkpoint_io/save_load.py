@@ -11,7 +11,9 @@ unpickled from a checkpoint (`zerodp.checkpoint_io.safe_metadata`). Tensors
 go through DCP (see `zerodp.checkpoint_io.tensors`); the rest is JSON
 (`zerodp.checkpoint_io.json_state`). Saving is atomic (`zerodp.checkpoint_io.paths`)
 and every failure of it, DCP's own included, is one `CheckpointError` with
-the same message on every rank, after which the engine trains on.
+the same message on every rank, after which the engine trains on. The
+synchronous save here writes and commits before it returns; the decoupled one
+(`zerodp.checkpoint_io.writers`) starts from the same `SaveRequest`.
 """
 
 from __future__ import annotations
@@ -35,21 +37,22 @@ from zerodp.checkpoint_io import (
     tensors,
     window_gradients,
 )
-from zerodp.checkpoint_io.jsonable import from_jsonable, to_jsonable
+from zerodp.checkpoint_io.agreed import agreed, root_cause
+from zerodp.checkpoint_io.jsonable import from_jsonable
 from zerodp.checkpoint_io.load_options import LoadOptions
-from zerodp.checkpoint_io.paths import (
-    check_load_source,
-    check_save_target,
-    clean_leftovers,
-    commit,
-    has_latest,
-    new_temp_name,
-)
+from zerodp.checkpoint_io.paths import check_load_source, commit, has_latest
 from zerodp.checkpoint_io.safe_metadata import METADATA_FILE, SafeReader, read_metadata
+from zerodp.checkpoint_io.save_request import (
+    SaveRequest,
+    abandon,
+    prepare_save,
+    state_tensors,
+    write_json_files,
+)
 from zerodp.checkpoint_io.sharded import quiet_sharded_tensor_warnings
 from zerodp.checkpoint_io.subject import CheckpointSubject
 from zerodp.comm import Comm
-from zerodp.errors import CheckpointError, CheckpointStorageError, ZeroDPError
+from zerodp.errors import CheckpointError, ZeroDPError
 
 logger = logging.getLogger("zerodp")
 
@@ -64,155 +67,53 @@ def save_checkpoint(
     *,
     random_states: bool = True,
 ) -> Path:
-    """`random_states=False` leaves the random generator states out (they are not the run's:
+    """Write the checkpoint now and commit it before returning (the synchronous writer).
+
+    `random_states=False` leaves the random generator states out (they are not the run's:
     `zerodp convert`); a load then leaves the generators as they are."""
-    comm = subject.comm
-    error: BaseException | None = None
-    directory = Path(".")
-    shared: dict[str, Any] = {}
-    client_tensors: dict[str, Any] = {}
+    request = prepare_save(subject, save_dir, tag, client_state, random_states)
     try:
-        subject.check_idle()
-        subject.before_save()
-        directory = check_save_target(save_dir, tag)
-        tag = (
-            tag
-            if tag is not None
-            else f"global_step{subject.counters.state_dict()['global_steps']}"
-        )
-        client_json = to_jsonable({} if client_state is None else client_state, client_tensors)
-        tensor_slices.check_can_save(subject)
-        shared = json_state.shared_state(subject, client_json)
-        shared["gradients"] = window_gradients.describe(subject)
-        tp = tensor_slices.describe(subject)
-        if tp is not None:
-            shared[tensor_slices.KEY] = tp
-        shared["random_states"] = random_states
-        json.dumps(shared, allow_nan=True)
-    except _FAILURES as caught:
-        error = caught
-    comm.raise_if_any_failed(error)
-    if tag is None:  # pragma: no cover - set above on every rank
-        raise RuntimeError("internal error: no tag")
-
-    temp_name = comm.broadcast_object(new_temp_name(tag) if comm.rank == 0 else None)
-    temp = directory / temp_name
-    try:
-        _write(subject, directory, temp, tag, shared, client_tensors, random_states)
+        _write(subject, request)
     except CheckpointError:
-        if comm.rank == 0:  # every rank has stopped writing: the agreement said so
-            clean_leftovers(directory)
+        abandon(subject.comm, request.directory)  # every rank has stopped writing: agreed
         raise
-    return directory / tag
+    return request.final
 
 
-def _write(
-    subject: CheckpointSubject,
-    directory: Path,
-    temp: Path,
-    tag: str,
-    shared: dict[str, Any],
-    client_tensors: dict[str, Any],
-    random_states: bool,
-) -> None:
-    """Write everything under `temp`, agreeing after each phase, then commit (rank 0)."""
+def _write(subject: CheckpointSubject, request: SaveRequest) -> None:
+    """Write everything under the temporary directory, agreeing after each phase, then
+    commit (rank 0)."""
     comm = subject.comm
-    where = f"saving checkpoint '{tag}' under '{directory}'"
-
-    def phase_zero() -> None:
-        if comm.rank == 0:
-            clean_leftovers(directory)  # what killed or failed saves left, ours only
-            temp.mkdir(parents=True)
-
-    _agreed(comm, where, phase_zero)
-    entries: dict[str, dict[str, Any]] = {}
+    where = request.where
     written: list[Any] = []
 
     def write_tensors() -> None:
-        places = subject.places(saving=True)
-        state: dict[str, Any] = {
-            **tensors.model_tensors(subject, places),
-            **tensors.master_tensors(subject, places),
-            **tensors.optimizer_tensors(subject, places),
-            **(tensors.rng_tensors(comm.rank) if random_states else {}),
-        }
-        if shared.get("gradients") is not None:
-            state.update(window_gradients.gradient_tensors(subject))
-        if comm.rank == 0:
-            state.update(client_tensors)
-        writer = FileSystemWriter(str(temp), single_file_per_rank=True, sync_files=True)
+        state = state_tensors(subject, request)
+        writer = FileSystemWriter(str(request.temp), single_file_per_rank=True, sync_files=True)
         with quiet_sharded_tensor_warnings():
             written.append(dcp.save(state, storage_writer=writer, process_group=comm.group))
 
-    _agreed(comm, where, write_tensors)
+    agreed(comm, where, write_tensors)
+    entries: dict[str, dict[str, Any]] = {}
 
     def write_json_and_hash() -> None:
-        if random_states:
-            rank_file = f"rank{comm.rank}.json"
-            json_state.write_json(temp / rank_file, json_state.rank_state())
-            entries[rank_file] = checksums.small_file_entry(temp / rank_file)
+        entries.update(write_json_files(request, comm.rank))
         if comm.rank == 0:
-            json_state.write_json(temp / json_state.STATE_FILE, shared)
-            for name in (json_state.STATE_FILE, METADATA_FILE):
-                entries[name] = checksums.small_file_entry(temp / name)
+            entries[METADATA_FILE] = checksums.small_file_entry(request.temp / METADATA_FILE)
         chunks = checksums.chunks_by_file(written[0])
         for name in checksums.my_share(chunks, comm.rank, comm.world_size):
-            entries[name] = checksums.data_file_entry(temp / name, chunks[name])
+            entries[name] = checksums.data_file_entry(request.temp / name, chunks[name])
 
-    _agreed(comm, where, write_json_and_hash)
+    agreed(comm, where, write_json_and_hash)
     gathered = comm.all_gather_object(entries)
 
     def finish() -> None:
         if comm.rank == 0:
             files = {name: entry for part in gathered for name, entry in part.items()}
-            checksums.write_manifest(temp, files)  # last: a directory with it is complete
-            commit(directory, temp.name, tag)
+            checksums.write_manifest(request.temp, files)  # last: a directory with it is complete
+            commit(request.directory, request.temp.name, request.tag)
 
-    _agreed(comm, where, finish)
-
-
-def _agreed(comm: Comm, where: str, work: Any) -> None:
-    """Run `work` on every rank; any rank's failure is one CheckpointError on all of them."""
-    error: BaseException | None = None
-    try:
-        work()
-    except _FAILURES as caught:
-        error = _as_checkpoint_error(caught, where)
-    comm.raise_if_any_failed(error)
-
-
-def _as_checkpoint_error(error: BaseException, where: str) -> CheckpointError:
-    if isinstance(error, CheckpointError):
-        return error
-    cause = _root_cause(error)
-    rank = _failed_rank(error)
-    text = f"{'' if rank is None else f'on rank {rank}, '}{type(cause).__name__}: {cause}"
-    advice = (
-        "nothing was committed: the previous checkpoints and 'latest' are intact, the engine "
-        "is unchanged and training can go on"
-    )
-    if isinstance(cause, OSError):
-        return CheckpointStorageError(
-            f"{where} failed ({text}); free space or fix the storage, or pass another "
-            f"save_dir; {advice}"
-        )
-    return CheckpointError(f"{where} failed ({text}); {advice}")
-
-
-def _failed_rank(error: BaseException) -> int | None:
-    failures = getattr(error, "failures", None)
-    return min(failures) if isinstance(failures, dict) and failures else None
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's `CheckpointException`, else `error`."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = failures[min(failures)]
-        inner = first[0] if isinstance(first, tuple) and first else first
-        if isinstance(inner, BaseException):
-            return _root_cause(inner)
-    return error
+    agreed(comm, where, finish)
 
 
 def load_checkpoint(
@@ -282,7 +183,7 @@ def load_checkpoint(
             reader = SafeReader(path, metadata)
             dcp.load(wanted, storage_reader=reader, process_group=comm.group)
     except _FAILURES as caught:
-        error = CheckpointError(f"reading checkpoint '{path}' failed: {_root_cause(caught)}")
+        error = CheckpointError(f"reading checkpoint '{path}' failed: {root_cause(caught)}")
     comm.raise_if_any_failed(error)
 
     subject.after_load()

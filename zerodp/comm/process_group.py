@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,12 @@ def _backend_for(device: torch.device) -> str:
     # CPU tensors (objects, checkpoint metadata) still travel over gloo.
     accelerator_backend = dist.Backend.default_device_backend_map.get(device.type, "gloo")
     return f"cpu:gloo,{device.type}:{accelerator_backend}"
+
+
+def default_store() -> Any:
+    """The default process group's key-value store: messages between ranks that take no
+    part in the group's collectives (torch keeps this accessor private)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 TIMEOUT_ENV = "ZERODP_COMMS_TIMEOUT_S"

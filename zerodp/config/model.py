@@ -45,6 +45,8 @@ from zerodp.errors import ConfigError
 __all__ = [
     "AdamParams",
     "BF16Config",
+    "CheckpointConfig",
+    "CheckpointWriterConfig",
     "CompileConfig",
     "EigenvalueConfig",
     "FP16Config",
@@ -62,6 +64,11 @@ __all__ = [
     "ZeroDPConfig",
     "ZeroOptimizationConfig",
 ]
+
+
+def _null_is_section(value: Any) -> Any:
+    """DeepSpeed's default for a block such as `checkpoint.writer` is null: the defaults."""
+    return {} if value is None else value
 
 
 def _null_is_empty(value: Any) -> Any:
@@ -236,6 +243,26 @@ class CompileConfig(Section):
     per_block: Bool | None = None
 
 
+class CheckpointWriterConfig(Section):
+    """`checkpoint.writer`: `decoupled` (DeepSpeed's key): `save_checkpoint` returns once
+    the states are copied to host memory and the files are written while training goes on
+    (docs/checkpoints.md, [Note: decoupled save]). DeepSpeed's I/O knobs beside it are
+    handled by `zerodp.config.deepspeed_keys`."""
+
+    decoupled: Bool = False
+
+
+class CheckpointConfig(Section):
+    """`checkpoint`: how checkpoints are written (`writer`) and which `latest` file a load
+    without a tag reads (`load_universal`: DeepSpeed's `latest_universal`). DeepSpeed's
+    other keys are handled by `zerodp.config.deepspeed_keys`."""
+
+    writer: Annotated[CheckpointWriterConfig, BeforeValidator(_null_is_section)] = Field(
+        default_factory=CheckpointWriterConfig
+    )
+    load_universal: Bool = False
+
+
 class MonitorConfig(Section):
     enabled: Bool = False
     output_path: Annotated[Str, BeforeValidator(_null_is_empty)] = ""
@@ -299,6 +326,7 @@ class ZeroDPConfig(Section):
     seed: NonNegInt | None = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     # zerodp's own keys (not DeepSpeed's): see docs/configuration.md.
     comms_timeout_s: PosFloat | None = None  # None: $ZERODP_COMMS_TIMEOUT_S, else torch's default
     comms_stall_checks: Bool = True  # gloo: a wait that lasts hears failures, uneven inputs

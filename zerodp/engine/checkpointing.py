@@ -1,5 +1,6 @@
-"""The engine's checkpoint methods: `save_checkpoint` and `load_checkpoint` on a
-`CheckpointSubject`, the narrow view of the engine that `zerodp.checkpoint_io` sees."""
+"""The engine's checkpoint methods: `save_checkpoint`, `wait_for_checkpoint` and
+`load_checkpoint` on a `CheckpointSubject`, the narrow view of the engine that
+`zerodp.checkpoint_io` sees, written by the config's writer (`checkpoint_writer_for`)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from zerodp.checkpoint_io import (
     LoadOptions,
     LoadReport,
     load_any_checkpoint,
-    save_checkpoint,
 )
 from zerodp.checkpoint_io.stateful import OptimizerSettings, SchedulerState
+from zerodp.checkpoint_io.writers import CheckpointWriter, writer_for
 from zerodp.comm import Comm
 from zerodp.comm.agreement import agreement
 from zerodp.comm.faults.uneven_inputs import Activity
+from zerodp.comm.process_group import comms_timeout
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.data_loader import ZeroDataLoader
@@ -28,6 +30,18 @@ from zerodp.optim.strategy import StageStrategy
 from zerodp.precision import PrecisionPolicy
 from zerodp.tensor_parallel import TensorParallelism
 from zerodp.train_state import TrainState
+
+# How long a decoupled save's background waits for the other ranks' files when no
+# comms_timeout_s is set: gloo's default collective timeout.
+_DEFAULT_WRITE_DEADLINE_S = 1800.0
+
+
+def checkpoint_writer_for(config: ZeroDPConfig) -> CheckpointWriter:
+    """The writer `checkpoint.writer.decoupled` asks for; its background waits for the other
+    ranks as long as a collective may (comms_timeout_s)."""
+    timeout = comms_timeout(config.comms_timeout_s)
+    deadline_s = _DEFAULT_WRITE_DEADLINE_S if timeout is None else timeout.total_seconds()
+    return writer_for(config.checkpoint.writer.decoupled, deadline_s)
 
 
 class CheckpointMethods:
@@ -49,6 +63,7 @@ class CheckpointMethods:
 
     config: ZeroDPConfig
     last_load_report: LoadReport | None  # what the last load_checkpoint restored
+    checkpoint_writer: CheckpointWriter  # synchronous, or decoupled (checkpoint.writer)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError  # ZeroEngine's
@@ -69,16 +84,30 @@ class CheckpointMethods:
         `random_states=False` leaves out the random generator states (when they are not
         the run's, as in `zerodp convert`); loading it then leaves the generators as
         they are, and says so.
+
+        With `"checkpoint": {"writer": {"decoupled": true}}` it returns once the state
+        is copied to host memory and the files are written while training goes on;
+        `latest` moves once every rank's files are durable. It first waits for the
+        previous save and raises that save's error, if it failed (docs/checkpoints.md).
         """
         with agreement().doing(Activity.SAVING):  # [Note: agreeing before a collective]
-            path = save_checkpoint(
-                self._checkpoint_subject(),
-                save_dir,
-                tag,
-                client_state,
-                random_states=random_states,
+            path = self.checkpoint_writer.save(
+                self._checkpoint_subject(), save_dir, tag, client_state, random_states
             )
         return str(path)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait until the last decoupled save is committed; its path (None: there is none,
+        or it failed and its error was raised before).
+
+        A collective: every rank calls it. If the save failed, every rank raises the same
+        `CheckpointError`, naming the rank and the file; 'latest' then still names the
+        checkpoint before it. With the synchronous writer there is never anything to
+        wait for.
+        """
+        with agreement().doing(Activity.SAVING):  # [Note: agreeing before a collective]
+            path = self.checkpoint_writer.wait(self.comm)
+        return None if path is None else str(path)
 
     def load_checkpoint(
         self,
@@ -99,12 +128,14 @@ class CheckpointMethods:
         What was restored and what not is logged and kept in `last_load_report`.
         """
         with agreement().doing(Activity.LOADING):  # [Note: agreeing before a collective]
+            self.checkpoint_writer.wait(self.comm)  # a save still being written comes first
             options = LoadOptions(
                 tag=tag,
                 load_optimizer_states=load_optimizer_states,
                 load_lr_scheduler_states=load_lr_scheduler_states,
                 load_module_only=load_module_only,
                 verify_checksums=verify_checksums,
+                prefer_universal=self.config.checkpoint.load_universal,
             )
             path, client, self.last_load_report = load_any_checkpoint(
                 self._checkpoint_subject(), load_dir, options

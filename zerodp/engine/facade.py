@@ -28,7 +28,7 @@ from zerodp.comm.process_group import comms_timeout, local_rank
 from zerodp.config import ZeroDPConfig
 from zerodp.engine import guards
 from zerodp.engine.assembly import Removable, assemble
-from zerodp.engine.checkpointing import CheckpointMethods
+from zerodp.engine.checkpointing import CheckpointMethods, checkpoint_writer_for
 from zerodp.engine.deepspeed_methods import (
     DeepSpeedEngineMethods,
     ZeroGradRoute,
@@ -79,6 +79,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.module = module
         self._destroyed = False
         self.last_load_report: LoadReport | None = None  # what the last load restored
+        self.checkpoint_writer = checkpoint_writer_for(config)
         self._init_join()
         parts = assemble(
             module,
@@ -434,3 +435,4 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self.reducer.states = []
         self.gate.close()
         self._destroyed = True
+        self.checkpoint_writer.close()  # the end of training waits for its last save

@@ -62,31 +62,36 @@ class DeepSpeedFiles:
         return self.folder / UNIVERSAL_FOLDER
 
 
-def find_checkpoint(load_dir: object, tag: object) -> DeepSpeedFiles | None:
+def find_checkpoint(
+    load_dir: object, tag: object, prefer_universal: bool = False
+) -> DeepSpeedFiles | None:
     """The DeepSpeed checkpoint `load_dir` and `tag` name, or None if they name none.
 
-    `tag` None reads `latest` (else `latest_universal`); `load_dir` may also
-    be a checkpoint folder itself. Raises `CheckpointError` for a folder that
-    is DeepSpeed's but cannot be loaded (missing ranks, model parallelism).
+    `tag` None reads `latest` (else `latest_universal`; the other way round with
+    `prefer_universal`, the config's `checkpoint.load_universal`, as DeepSpeed reads
+    `latest_universal` then); `load_dir` may also be a checkpoint folder itself.
+    Raises `CheckpointError` for a folder that is DeepSpeed's but cannot be loaded
+    (missing ranks, model parallelism).
     """
     if not isinstance(load_dir, (str, Path)):
         return None
     directory = Path(load_dir)
     if not directory.is_dir():
         return None
-    folder = _folder(directory, tag)
+    folder = _folder(directory, tag, prefer_universal)
     if folder is None or (folder / ZERODP_STATE_FILE).is_file():
         return None
     return _describe(folder)
 
 
-def _folder(directory: Path, tag: object) -> Path | None:
+def _folder(directory: Path, tag: object, prefer_universal: bool) -> Path | None:
     if tag is not None:
         if not isinstance(tag, str) or not tag or "/" in tag or tag in (".", ".."):
             return None  # zerodp's own checks name the problem
         folder = directory / tag
         return folder if folder.is_dir() else None
-    for name in (LATEST, LATEST_UNIVERSAL):
+    pointers = (LATEST_UNIVERSAL, LATEST) if prefer_universal else (LATEST, LATEST_UNIVERSAL)
+    for name in pointers:
         pointer = directory / name
         if pointer.is_file():
             try:

@@ -27,7 +27,7 @@ from zerodp.config.deepspeed_keys.aliases import (
     apply_aliases,
 )
 from zerodp.config.deepspeed_keys.ignored import IGNORED, Ignored
-from zerodp.config.deepspeed_keys.kinds import check_value, get, has, pop, show, unknown_key
+from zerodp.config.deepspeed_keys.kinds import check_value, get, has, pop, show
 from zerodp.config.deepspeed_keys.unsupported import (
     UNSUPPORTED,
     UNSUPPORTED_OPTIMIZERS,
@@ -74,28 +74,7 @@ def translate(data: dict[str, Any]) -> Translation:
     _unsupported_types(data, problems)
     for ignored in IGNORED:
         _ignored(data, ignored, notices, problems)
-    for container in CONTAINERS:
-        _leftovers(data, container, problems)
     return Translation(data, tuple(notices), tuple(problems))
-
-
-# DeepSpeed sections zerodp has no model for, whose keys the tables list one by one.
-CONTAINERS = ("checkpoint",)
-
-
-def _leftovers(data: dict[str, Any], container: str, problems: list[str]) -> None:
-    """After the tables took their keys, what remains of `container` is misspelled."""
-    if container not in data:
-        return
-    rest = data.pop(container)
-    if not isinstance(rest, dict):
-        problems.append(
-            f"config key '{container}': got {show(rest)}; allowed: a JSON object "
-            "(mapping of keys to values)"
-        )
-        return
-    known = dict.fromkeys(known_keys(container))
-    problems.extend(unknown_key(f"{container}.{key}", known) for key in rest)
 
 
 def _ignored(

@@ -282,10 +282,12 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
         lambda v: isinstance(v, dict) and not v.get("pipeline_stage", False),
     ),
     Unsupported(
-        "checkpoint.writer",
-        "DeepSpeed's checkpoint writers (the fast and decoupled checkpoint engines)",
-        "remove it; zerodp writes with torch.distributed.checkpoint",
-        _is(None),
+        "checkpoint.writer.type",
+        "DeepSpeed's mock checkpoint writer (it writes nothing)",
+        'remove it (or set "fast"): zerodp always writes the checkpoint',
+        lambda v: isinstance(v, str) and v.lower() in ("fast", "python"),
+        off_why="zerodp writes with torch.distributed.checkpoint's file writer whatever the "
+        "type (decoupled or not: checkpoint.writer.decoupled)",
     ),
     Unsupported(
         "zero_optimization.zero_quantized_weights",

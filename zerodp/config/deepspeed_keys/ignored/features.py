@@ -1,14 +1,15 @@
-"""Keys of features zerodp configures its own way: `checkpoint` (loads at any world size
-and stage), `eigenvalue` (reported through the monitors), `compile`'s DeepCompile
-knobs (zerodp compiles with torch.compile; DeepCompile itself is unsupported), and
-`tensor_parallel`'s tuning knobs (docs/tensor-parallel.md).
+"""Keys of features zerodp configures its own way: `checkpoint` (tags are not compared;
+the writer's I/O knobs are DeepSpeed's fast writer's), `eigenvalue` (reported through
+the monitors), `compile`'s DeepCompile knobs (zerodp compiles with torch.compile;
+DeepCompile itself is unsupported), and `tensor_parallel`'s tuning knobs
+(docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
 
 from zerodp.config.deepspeed_keys.deepcompile import DEEPCOMPILE_KNOBS
 from zerodp.config.deepspeed_keys.ignored.entry import Ignored, equals
-from zerodp.config.deepspeed_keys.kinds import ANY, BOOL, INT, STR
+from zerodp.config.deepspeed_keys.kinds import ANY, BOOL, INT, NUMBER, STR, nullable
 
 FEATURES: tuple[Ignored, ...] = (
     # --- checkpoint, eigenvalue -------------------------------------------------------------
@@ -19,10 +20,21 @@ FEATURES: tuple[Ignored, ...] = (
         lambda v: isinstance(v, str) and v.lower() == "ignore",
         "zerodp does not check that ranks pass the same tag; pass the same tag on every rank",
     ),
-    Ignored(
-        "checkpoint.load_universal",
-        BOOL,
-        "zerodp checkpoints load at any world size and stage",
+    # DeepSpeed's fast checkpoint writer's I/O knobs (`decoupled` beside them is zerodp's too).
+    *(
+        Ignored(
+            f"checkpoint.writer.{name}",
+            kind,
+            "a setting of DeepSpeed's fast checkpoint writer; zerodp writes with "
+            "torch.distributed.checkpoint's file writer",
+        )
+        for name, kind in (
+            ("io_buffer_size", NUMBER),
+            ("io_buffer_double", BOOL),
+            ("io_multiplier", INT),
+            ("show_statistics", BOOL),
+            ("data_parallel", nullable(STR)),
+        )
     ),
     Ignored(
         "eigenvalue.verbose",
