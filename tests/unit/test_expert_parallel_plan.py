@@ -122,9 +122,8 @@ def refusal(experts: nn.Module, size: int = 2) -> str:
 
 
 def test_each_check_names_the_problem() -> None:
-    assert "'experts.w_out' has shape (3, 5, 6), not experts-first with experts.num_experts = 4" in (
-        refusal(FusedExperts(first_dims=(4, 3)))
-    )
+    shape = "'experts.w_out' has shape (3, 5, 6), not experts-first with experts.num_experts = 4"
+    assert shape in refusal(FusedExperts(first_dims=(4, 3)))
     no_count = FusedExperts()
     del no_count.num_experts
     assert "keeps no number of experts: give it an int attribute 'num_experts'" in refusal(no_count)
