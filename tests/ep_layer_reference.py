@@ -95,13 +95,18 @@ def parity(
     patterns: Sequence[str] | None = None,
     idle_pairs: int = 0,
     implementation: str = "grouped_mm",
+    checkpointed: bool = False,
 ) -> dict[str, Any]:
     """Split `name` over EP groups `groups` (ranks of each, E = `size`) and compare (see the
-    module docstring); every rank calls it."""
+    module docstring); every rank calls it. `checkpointed`: both models recompute each
+    decoder layer in backward (the dispatch runs again there)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(name, implementation=implementation)
     idle = route_only_to(model, idle_pairs) if idle_pairs else []
     reference = copy.deepcopy(model)
+    if checkpointed:
+        for each in (model, reference):
+            each.gradient_checkpointing_enable()
     world_comm = Comm()
     comms = [Comm(dist.new_group(list(g)), label="expert", parent=world_comm) for g in groups]
     # The expert-data groups: the ranks at the same place of every EP group.
@@ -279,3 +284,46 @@ def _closed_form_bytes(rank: int, world: int) -> int:
                 arriving += 1
     counts = (world - 1) * local * 8
     return counts + 2 * (away + arriving) * HIDDEN * 4
+
+
+def _penalty_run(experts: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A gradient penalty: the input gradient taken with create_graph, its square summed and
+    differentiated again (through the reversed exchanges' own backward)."""
+    hidden = inputs["hidden"].clone().requires_grad_()
+    weights = inputs["weights"].clone().requires_grad_()
+    out = experts(hidden, inputs["index"], weights)
+    (grad,) = torch.autograd.grad((out * inputs["probe"]).sum(), hidden, create_graph=True)
+    grad.pow(2).sum().backward()
+    return {"hidden": hidden.grad, "weights": weights.grad}
+
+
+def double_backward() -> dict[str, float]:
+    """One experts module (Qwen3-MoE's eager loop) split at E = world, under a gradient
+    penalty, against the unsplit module on every rank's inputs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    block = build("qwen3_moe", implementation="eager").model.layers[0].mlp
+    reference = copy.deepcopy(block.experts)
+    comm = Comm(dist.new_group(list(range(world))), label="expert", parent=Comm())
+    split = split_experts(block, world, rank, comm, ["experts"])
+    mine = _penalty_run(block.experts, module_inputs(rank))
+    expected = [_penalty_run(reference, module_inputs(r)) for r in range(world)]
+    slices = []
+    for attribute in ("gate_up_proj", "down_proj"):
+        held = split.modules["experts"]
+        whole = getattr(reference, attribute).grad
+        slices.append(
+            (
+                getattr(block.experts, attribute).grad,
+                whole.narrow(0, held.first_expert, held.local_experts),
+            )
+        )
+    pairs = {
+        "hidden_grad": [(mine["hidden"], expected[rank]["hidden"])],
+        "weights_grad": [(mine["weights"], expected[rank]["weights"])],
+        "expert_grads": slices,
+    }
+    # Relative to the largest element: a penalty's gradients are small.
+    return {
+        key: _max(found) / max(b.abs().max().item() for _, b in found)
+        for key, found in pairs.items()
+    } | {"expert_grad_size": max(b.abs().max().item() for _, b in slices)}

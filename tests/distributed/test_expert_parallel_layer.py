@@ -1,21 +1,22 @@
 """The expert-parallel layer alone (no engine): tiny HF MoE models split over EP groups, exact.
 
-Each rank splits a copy of the same model and feeds its own batch; the reference
-is the unsplit model in the worker, run on every rank's batch
-(`tests.ep_layer_reference`). fp32, 1e-5. World 2 at E=2: Qwen3-MoE and Mixtral
-(by their own plans and by module-name patterns), OLMoE, gpt-oss and
-DeepSeek-V3; experts that no token reaches (on one rank some of its experts, on
-another all of them) have exactly zero gradients; one experts module fed the
-model's masked slots, with the all-to-all bytes against their closed form.
-World 4: E=4, and E=2 as two EP groups. About 15 s on two cores once the
-workers have imported transformers.
+Each rank splits a copy of the same model and feeds its own batch; the reference is
+the unsplit model in the worker, run on every rank's batch (`tests.ep_layer_reference`).
+fp32, 1e-5. World 2 at E=2: Qwen3-MoE and Mixtral (by their own plans and by module-name
+patterns), OLMoE, gpt-oss and DeepSeek-V3, with each of transformers' CPU experts
+implementations and with activation checkpointing; experts that no token reaches (on one
+rank some of its experts, on another all of them) have exactly zero gradients; one
+experts module fed the model's masked slots, with the all-to-all bytes against their
+closed form, and under a gradient penalty (double backward). World 4: E=4, and E=2 as
+two EP groups. The cases take about 4 s on two cores once the workers have imported
+transformers (process start and that import cost more when the pools are fresh).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tests.ep_layer_reference import parity, sentinel_and_bytes
+from tests.ep_layer_reference import double_backward, parity, sentinel_and_bytes
 from tests.hf_moe_models import BUILDERS, EXPERT_LAYERS, NUM_EXPERTS
 
 BOUND = 1e-5
@@ -40,6 +41,8 @@ def two_rank_cases() -> dict[str, Any]:
         # Experts 6 and 7 idle: rank 1 still runs 4 and 5. Experts 4-7 idle: rank 1 gets no row.
         for pairs in (3, 2):
             cases[f"{name} idle {pairs}"] = parity(name, 2, pair, idle_pairs=pairs)
+    cases["qwen3_moe checkpointed"] = parity("qwen3_moe", 2, pair, checkpointed=True)
+    cases["qwen3_moe batched_mm"] = parity("qwen3_moe", 2, pair, implementation="batched_mm")
     # The model's eager loop reads only the experts it routes to: on a rank that receives no
     # row, the expert tensors get their (zero) gradients from the layer alone.
     for pairs in (3, 2):
@@ -84,6 +87,13 @@ def test_masked_slots_and_all_to_all_bytes(pools) -> None:
         assert result["masked_weights_grad"] == 0.0, result
         assert result["calls"] == 5, result
         assert result["bytes"] == result["expected_bytes"], result
+
+
+def test_a_gradient_penalty_differentiates_through_the_exchanges(pools) -> None:
+    for rank, result in enumerate(pools(2).run(double_backward)):
+        assert result["expert_grad_size"] > 1e-5, result  # the second order reaches the experts
+        for key in ("hidden_grad", "weights_grad", "expert_grads"):  # relative differences
+            assert result[key] <= BOUND, (rank, key, result)
 
 
 def four_rank_cases() -> dict[str, Any]:
