@@ -84,7 +84,14 @@ def watch_experts(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _max(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    return max(((a - b).abs().max().item() for a, b in pairs), default=0.0)
+    """The largest elementwise difference over the pairs (each pair of the same shape)."""
+    worst = 0.0
+    for a, b in pairs:
+        if a.shape != b.shape:
+            raise AssertionError(f"shapes differ: {tuple(a.shape)} and {tuple(b.shape)}")
+        if a.numel():
+            worst = max(worst, (a - b).abs().max().item())
+    return worst
 
 
 def parity(
@@ -327,3 +334,36 @@ def double_backward() -> dict[str, float]:
         key: _max(found) / max(b.abs().max().item() for _, b in found)
         for key, found in pairs.items()
     } | {"expert_grad_size": max(b.abs().max().item() for _, b in slices)}
+
+
+def empty_batch_on_one_rank() -> dict[str, Any]:
+    """Rank 1 has no token (its experts still serve rank 0's); against the unsplit module."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    block = build("qwen3_moe").model.layers[0].mlp
+    reference = copy.deepcopy(block.experts)
+    comm = Comm(dist.new_group(list(range(world))), label="expert", parent=Comm())
+    split = split_experts(block, world, rank, comm, ["experts"])
+    sizes = [6 if r == 0 else 0 for r in range(world)]
+    inputs = [_valid_only(module_inputs(r, sizes[r])) for r in range(world)]
+    mine = _module_run(block.experts, inputs[rank])
+    expected = [_module_run(reference, inputs[r]) for r in range(world)]
+    held = split.modules["experts"]
+    slices = [
+        (
+            getattr(block.experts, a).grad,
+            getattr(reference, a).grad.narrow(0, held.first_expert, held.local_experts),
+        )
+        for a in ("gate_up_proj", "down_proj")
+    ]
+    return {
+        "shape": tuple(mine["out"].shape),
+        "out": _max([(mine["out"], expected[rank]["out"])]),
+        "hidden_grad": _max([(mine["hidden"], expected[rank]["hidden"])]),
+        "expert_grads": _max(slices),
+    }
+
+
+def _valid_only(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same inputs with every slot naming a real expert (grouped_mm's own forward does not
+    take the eager loop's sentinel)."""
+    return inputs | {"index": inputs["index"] % NUM_EXPERTS}

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.ep_layer_reference import double_backward, parity, sentinel_and_bytes
-from tests.hf_moe_models import BUILDERS, EXPERT_LAYERS, NUM_EXPERTS
+from tests.ep_layer_reference import (
+    double_backward,
+    empty_batch_on_one_rank,
+    parity,
+    sentinel_and_bytes,
+)
+from tests.hf_moe_models import BUILDERS, EXPERT_LAYERS, HIDDEN, NUM_EXPERTS
 
 BOUND = 1e-5
 NUMERIC = (
@@ -93,6 +98,14 @@ def test_a_gradient_penalty_differentiates_through_the_exchanges(pools) -> None:
     for rank, result in enumerate(pools(2).run(double_backward)):
         assert result["expert_grad_size"] > 1e-5, result  # the second order reaches the experts
         for key in ("hidden_grad", "weights_grad", "expert_grads"):  # relative differences
+            assert result[key] <= BOUND, (rank, key, result)
+
+
+def test_a_rank_without_tokens_still_serves_its_experts(pools) -> None:
+    results = pools(2).run(empty_batch_on_one_rank)
+    assert [r["shape"] for r in results] == [(6, HIDDEN), (0, HIDDEN)]
+    for rank, result in enumerate(results):
+        for key in ("out", "hidden_grad", "expert_grads"):
             assert result[key] <= BOUND, (rank, key, result)
 
 

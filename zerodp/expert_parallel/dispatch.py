@@ -97,11 +97,11 @@ def dispatch_experts(
 ) -> torch.Tensor:
     """The experts' output for this rank's tokens, computed where each expert lives (see
     [Note: expert-parallel dispatch]); a collective over `group`."""
-    hidden = hidden_states.shape[-1]
+    hidden, top_k = hidden_states.shape[-1], top_k_index.shape[-1]
     flat = hidden_states.reshape(-1, hidden)
-    tokens = flat.shape[0]
-    index = top_k_index.reshape(tokens, -1)
-    weights = top_k_weights.reshape(tokens, -1)
+    tokens = flat.shape[0]  # may be 0: a rank without tokens still takes part
+    index = top_k_index.reshape(tokens, top_k)
+    weights = top_k_weights.reshape(tokens, top_k)
     if weights.shape != index.shape:
         raise ValueError(
             f"the router's weights {tuple(top_k_weights.shape)} and indices "
@@ -152,5 +152,5 @@ def _combine(
     top_k = weights.shape[-1]
     per_slot = back.new_zeros((tokens * top_k, back.shape[-1]))
     per_slot = per_slot.index_copy(0, assignments.slots, back)
-    weighted = per_slot.view(tokens, top_k, -1) * weights.unsqueeze(-1)
+    weighted = per_slot.view(tokens, top_k, back.shape[-1]) * weights.unsqueeze(-1)
     return weighted.sum(dim=1)
