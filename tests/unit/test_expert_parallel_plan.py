@@ -19,7 +19,15 @@ from torch import nn
 from tests.hf_moe_models import BUILDERS, EXPERT_LAYERS, NUM_EXPERTS, build, experts_of
 from tests.moe_models import MoEConfig, MoELM
 from zerodp.errors import ConfigError
-from zerodp.expert_parallel import PlanSource, find_experts, read_plan, split_experts
+from zerodp.expert_parallel import (
+    ExpertGroup,
+    ExpertSlice,
+    PlanSource,
+    dispatch_experts,
+    find_experts,
+    read_plan,
+    split_experts,
+)
 from zerodp.expert_parallel.routing import expert_counts, local_expert_index, order_by_expert
 
 PATTERN = ["model.layers.*.mlp.experts"]
@@ -215,3 +223,18 @@ def test_assignments_are_ordered_by_expert_and_masked_slots_go_nowhere() -> None
     # Rows arrive by source rank, and from one source by local expert.
     received = torch.tensor([[2, 0], [1, 3]])
     assert local_expert_index(received, 2).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_router_choice_that_does_not_fit_the_tokens_is_refused_before_any_exchange() -> None:
+    held = ExpertSlice(global_experts=8, local_experts=4, first_expert=0)
+    group = ExpertGroup(SimpleNamespace(rank=0, world_size=2), 0, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="do not name the same K slots of each of the 4 tokens"):
+        dispatch_experts(
+            torch.zeros(4, 6),
+            torch.zeros(4, 2, dtype=torch.long),
+            torch.zeros(4, 3),
+            group=group,
+            experts=held,
+            local_forward=lambda *args: args[0],
+            params=[],
+        )

@@ -100,13 +100,14 @@ def dispatch_experts(
     hidden, top_k = hidden_states.shape[-1], top_k_index.shape[-1]
     flat = hidden_states.reshape(-1, hidden)
     tokens = flat.shape[0]  # may be 0: a rank without tokens still takes part
-    index = top_k_index.reshape(tokens, top_k)
-    weights = top_k_weights.reshape(tokens, top_k)
-    if weights.shape != index.shape:
+    if top_k_weights.shape != top_k_index.shape or top_k_index.numel() != tokens * top_k:
         raise ValueError(
             f"the router's weights {tuple(top_k_weights.shape)} and indices "
-            f"{tuple(top_k_index.shape)} do not name the same slots"
+            f"{tuple(top_k_index.shape)} do not name the same K slots of each of the "
+            f"{tokens} tokens of hidden states {tuple(hidden_states.shape)}"
         )
+    index = top_k_index.reshape(tokens, top_k)
+    weights = top_k_weights.reshape(tokens, top_k)
     num_experts = experts.global_experts
     per_expert = expert_counts(index, num_experts)
     received = exchange_counts(per_expert, group.comm)
