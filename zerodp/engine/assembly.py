@@ -21,6 +21,7 @@ refuses to step) and no scheduler.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -39,10 +40,14 @@ from zerodp.comm.process_group import comms_timeout
 from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.backward_wiring import BackwardParts, ParamRuntime, build_backward
+from zerodp.engine.composition_checks import check_model_composes, check_optimizer_composes
 from zerodp.engine.data_loader import ZeroDataLoader
+from zerodp.engine.expert_wiring import split_experts_for_engine
 from zerodp.engine.model_groups import ModelGroups, build_groups
+from zerodp.engine.model_sync import take_whole_model_from_first_rank
 from zerodp.engine.optimizers import OptimizerBuild, build_optimizer
 from zerodp.engine.tensor_wiring import split_model, tensor_parallelism
+from zerodp.expert_parallel import ExpertSplit
 from zerodp.full_state.param_state import FullStateAccessor
 from zerodp.group_state import GroupIndex
 from zerodp.monitor.eigenvalue import EigenvalueMonitor
@@ -100,6 +105,7 @@ class EngineParts:
     offload_storage: OffloadStorage | None
     posttrain: PostTraining
     tensor_parallel: TensorParallelism | None  # None: no tensor parallelism
+    experts: ExpertSplit | None  # None: no expert parallelism
     sequence: SequenceParallel | None  # sequence_parallel_size > 1 only
 
 
@@ -128,9 +134,8 @@ def assemble(
     )
     comms, backward, built, groups = core.comms, core.backward, core.built, core.model.groups
     optimizer = built.optimizer
-    tensor = tensor_parallelism(
-        module, config, comms, core.split, groups, steps_whole_tensors=built.tensorwise is not None
-    )
+    check_optimizer_composes(comms, steps_whole_tensors=built.tensorwise is not None)
+    tensor = tensor_parallelism(module, config, comms, core.split, groups)
     posttrain = build_post_training(
         module=module,
         decision=core.decision,
@@ -184,6 +189,7 @@ def assemble(
         offload_storage=core.model.storage,
         posttrain=posttrain,
         tensor_parallel=tensor,
+        experts=core.experts,
         sequence=sequence,
     )
 
@@ -194,6 +200,7 @@ class _TrainingCore:
 
     comms: GroupComms
     split: TensorSplit | None
+    experts: ExpertSplit | None
     strategy: StageStrategy
     policy: PrecisionPolicy
     decision: ModeDecision
@@ -219,16 +226,7 @@ def _training_core(
 ) -> _TrainingCore:
     zero = config.zero_optimization
     timeout = comms_timeout(config.comms_timeout_s)
-    comms = group_comms(
-        comm,
-        shard_size=zero.mics_shard_size,
-        secondary_size=zero.zero_hpz_partition_size,
-        tensor_size=config.tensor_parallel.size,
-        sequence_size=config.sequence_parallel_size,
-        timeout=timeout,
-    )
-    # Tensor parallelism splits the model before anything reads its parameters' shapes.
-    split = split_model(module, config, comms, device)
+    comms, split, experts = _groups_and_splits(module, config, comm, device, timeout)
     strategy = strategy_for(zero.stage, across_replicas=comms.dims.hybrid)
     policy = precision_policy(config)
     decision = decide_mode(module, config.optimizer, user_optimizer)
@@ -251,7 +249,7 @@ def _training_core(
         policy=policy,
         offload=offload,
         specs=specs,
-        slicing={} if split is None else {id(p): Slicing.TENSOR for p in split.split_params},
+        slicing=_slicing(module, split, experts),
     )
     train_state = TrainState()
     loss_scaler = loss_scaler_from_config(config.fp16)
@@ -290,6 +288,7 @@ def _training_core(
     return _TrainingCore(
         comms,
         split,
+        experts,
         strategy,
         policy,
         decision,
@@ -301,6 +300,44 @@ def _training_core(
         backward,
         built,
     )
+
+
+def _groups_and_splits(
+    module: nn.Module,
+    config: ZeroDPConfig,
+    comm: Comm,
+    device: torch.device,
+    timeout: datetime.timedelta | None,
+) -> tuple[GroupComms, TensorSplit | None, ExpertSplit | None]:
+    """The process groups of every dimension, and the model split by tensor and expert
+    parallelism before anything reads its parameters' shapes, each rank keeping its part of
+    one model: rank 0's, taken whole first."""
+    zero = config.zero_optimization
+    comms = group_comms(
+        comm,
+        shard_size=zero.mics_shard_size,
+        secondary_size=zero.zero_hpz_partition_size,
+        tensor_size=config.tensor_parallel.size,
+        sequence_size=config.sequence_parallel_size,
+        expert_size=config.expert_parallel.size,
+        timeout=timeout,
+    )
+    check_model_composes(module, comms)
+    if comms.dims.splits_tensors or comms.dims.splits_experts:
+        take_whole_model_from_first_rank(module, comms.world, device)
+    split = split_model(module, config, comms, device)
+    experts = split_experts_for_engine(module, config, comms)
+    return comms, split, experts
+
+
+def _slicing(
+    module: nn.Module, split: TensorSplit | None, experts: ExpertSplit | None
+) -> dict[int, Slicing]:
+    """id(param) -> its kind of slice, for the parameters that are slices."""
+    kinds = {} if split is None else {id(p): Slicing.TENSOR for p in split.split_params}
+    if experts is not None:
+        kinds.update({id(p): Slicing.EXPERT for p in module.parameters() if experts.is_expert(p)})
+    return kinds
 
 
 def _optimizer_sources(

@@ -24,6 +24,7 @@ from zerodp.comm.process_group import comms_timeout
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.data_loader import ZeroDataLoader
+from zerodp.expert_parallel import ExpertSplit
 from zerodp.group_state import GroupIndex
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
@@ -60,6 +61,7 @@ class CheckpointMethods:
     training_dataloader: ZeroDataLoader | None
     gate: StepGate
     tensor_parallel: TensorParallelism | None
+    expert_parallel: ExpertSplit | None
 
     config: ZeroDPConfig
     last_load_report: LoadReport | None  # what the last load_checkpoint restored
@@ -175,5 +177,8 @@ class CheckpointMethods:
                 {}
                 if self.tensor_parallel is None
                 else {n: s.dim for n, s in self.tensor_parallel.split.names(self.module).items()}
+            ),
+            expert_slices=(
+                frozenset() if self.expert_parallel is None else self.expert_parallel.names
             ),
         )

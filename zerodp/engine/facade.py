@@ -116,6 +116,7 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self._offload_storage = parts.offload_storage
         self.posttrain = parts.posttrain
         self.tensor_parallel = parts.tensor_parallel  # None without tensor parallelism
+        self.expert_parallel = parts.experts  # None without expert parallelism
         # sequence_parallel_size > 1: the sequence group and its parts (docs/sequence-parallel.md)
         self.sequence_parallel = parts.sequence
         self._handles: list[Removable] = list(parts.handles)

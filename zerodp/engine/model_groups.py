@@ -77,7 +77,9 @@ def build_groups(
     leaves = zero.leaf_module  # marked at every stage (an entry matching nothing is an error)
     mark_from_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
     layout = _lay_out(module, config, comms, device, strategy, specs, slicing or {})
-    _sync_from_first_rank(module, layout, comms.of(comms.dims.same_values_label()), device)
+    _sync_from_first_rank(
+        module, layout, comms.of(comms.dims.same_values_label()), device, slicing or {}
+    )
     storage = None
     if offload.offloads_optimizer or offload.offloads_params:
         check_offload_storage(layout.groups, offload, comms.world)
@@ -146,25 +148,33 @@ def _lay_out(
 
 
 def _sync_from_first_rank(
-    module: nn.Module, layout: ModelLayout, comm: Comm | None, device: torch.device
+    module: nn.Module,
+    layout: ModelLayout,
+    comm: Comm | None,
+    device: torch.device,
+    slicing: Mapping[int, Slicing],
 ) -> None:
     """Every rank starts from the parameters and buffers of the first rank of `comm`, the
     ranks holding the same values (the world, as with DDP; a slice group with tensor
-    parallelism; None: this rank alone)."""
+    parallelism; None: this rank alone). Expert slices differ across the world: they are
+    this rank's part of the model every rank took whole from rank 0 before the split, and
+    stay as they are."""
     managed = {id(p) for g in layout.groups for p in g.params}
     loose = []
     for param in module.parameters():
         if id(param) not in managed:
             param.data = param.data.to(device)
-            loose.append(param.data)
+            if slicing.get(id(param)) is not Slicing.EXPERT:
+                loose.append(param.data)
     replace_buffers(module, lambda buffer: buffer.to(device))
     loose += list(module.buffers())
     # Groups built sharded by zero.Init were taken from rank 0 already (and are empty now).
-    resident = [g for g in layout.groups if g.full_is_allocated]
+    resident = [g for g in layout.groups if g.full_is_allocated and not g.expert]
     if comm is not None:
         broadcast_tensors(comm, [g.full for g in resident] + loose)
-    for group in resident:
-        group.take_shard_from_full()
+    for group in layout.groups:
+        if group.full_is_allocated:
+            group.take_shard_from_full()
 
 
 def _cast_model(module: nn.Module, layout: ModelLayout, dtype: torch.dtype) -> None:

@@ -1,15 +1,15 @@
 """Tensor parallelism in the engine: the split before the layout, the parts kept after it.
 
-1. `split_model` (before the flat groups are laid out): refuses what does not
-   compose and needs the engine to see (a model built sharded by `zero.Init`),
-   then splits the model by its plan (`zerodp.tensor_parallel.split_for_engine`).
+1. `split_model` (before the flat groups are laid out): splits the model by its
+   plan (`zerodp.tensor_parallel.split_for_engine`).
    Each rank's slices are then ordinary parameters to ZeRO: laid out in their own
    flat groups (`FlatGroup.tensor_split`), sharded over the shard group, which
    with T > 1 is exactly the ranks holding the same slices.
-2. `tensor_parallelism` (once the optimizer is built): refuses an optimizer that
-   reads whole tensors (it would read slices), and keeps the checks (the same
+2. `tensor_parallelism` (once the optimizer is built): keeps the checks (the same
    batch, the whole parameters equal across each tensor group) with the values
    they compare: the engine's own buffers of the groups the plan leaves whole.
+What does not compose (a model built under `zero.Init`, an optimizer that reads
+whole tensors) is refused for every dimension by `zerodp.engine.composition_checks`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from torch import nn
 
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config import ZeroDPConfig
-from zerodp.errors import ConfigError
 from zerodp.group_state import GroupIndex
-from zerodp.parallel.composition import Feature, refusal_for
-from zerodp.stage3 import zero_parameter
 from zerodp.tensor_parallel import TensorParallelism, TensorSplit, split_for_engine
 
 
@@ -33,13 +30,6 @@ def split_model(
     tp = config.tensor_parallel
     if not tp.enabled:
         return None
-    error = None
-    message = refusal_for(Feature.ZERO_INIT, comms.dims)
-    if message is not None and any(
-        zero_parameter.owner_of(p) is not None for p in module.parameters()
-    ):
-        error = ConfigError(message)
-    comms.world.raise_if_any_failed(error)
     return split_for_engine(module, tp, comms, device)
 
 
@@ -49,17 +39,10 @@ def tensor_parallelism(
     comms: GroupComms,
     split: TensorSplit | None,
     groups: GroupIndex,
-    *,
-    steps_whole_tensors: bool,
 ) -> TensorParallelism | None:
     """The parts an engine with tensor parallelism keeps (None without it)."""
     if split is None:
         return None
-    error = None
-    message = refusal_for(Feature.WHOLE_TENSOR_OPTIMIZERS, comms.dims)
-    if steps_whole_tensors and message is not None:
-        error = ConfigError(message)
-    comms.world.raise_if_any_failed(error)
 
     def whole_values() -> list[tuple[str, torch.Tensor]]:
         return _whole_values(module, groups, split)

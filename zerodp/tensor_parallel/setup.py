@@ -1,7 +1,8 @@
 """Splitting a model for the engine: the checks that need the run, the model taken from rank 0,
 the split, and the parts the engine keeps (`TensorParallelism`).
 
-`split_for_engine` runs before the engine lays out its flat groups, so each
+`split_for_engine` runs before the engine lays out its flat groups, on a model every
+rank took whole from rank 0, so each
 rank's slices are ordinary parameters to ZeRO (sharded over the ranks holding
 the same slices: the shard group, see [Note: parallel dimensions]). Every check
 is agreed on by all ranks before anything changes, so a model the plan cannot
@@ -17,7 +18,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerodp.comm import Comm, broadcast_tensors
 from zerodp.comm.subgroups import GroupComms
 from zerodp.config.tensor_parallel import TensorParallelConfig
 from zerodp.errors import ConfigError
@@ -26,7 +26,6 @@ from zerodp.tensor_parallel.checks import ReplicaCheck, SameBatchCheck
 from zerodp.tensor_parallel.communication import TensorGroup
 from zerodp.tensor_parallel.plan import read_plan
 from zerodp.tensor_parallel.split import SplitPlan, TensorSplit, plan_split
-from zerodp.torch_internals import replace_buffers
 
 
 def split_for_engine(
@@ -34,8 +33,8 @@ def split_for_engine(
 ) -> TensorSplit | None:
     """Split `module` across this rank's tensor group (None: no tensor parallelism).
 
-    A collective over the world: every rank takes world rank 0's whole model first
-    (parameters and buffers), so that every slice is one of the same model.
+    The model must be whole and the same on every rank (the engine takes it from world
+    rank 0 first: `zerodp.engine.model_sync`), so that every slice is one of one model.
     """
     dims = comms.dims
     if not dims.splits_tensors:
@@ -50,18 +49,7 @@ def split_for_engine(
     world.raise_if_any_failed(error)
     if planned is None or comms.tensor is None:  # pragma: no cover - raised above
         raise RuntimeError("internal error: no tensor-parallel plan or group")
-    _take_whole_model_from_first_rank(module, world, device)
     return planned.apply(TensorGroup(comms.tensor, dims.tensor_rank, dims.tensor_size))
-
-
-@torch.no_grad()
-def _take_whole_model_from_first_rank(module: nn.Module, world: Comm, device: torch.device) -> None:
-    """Every rank gets rank 0's whole parameters and buffers, on `device` (split next)."""
-    for param in module.parameters():
-        param.data = param.data.to(device)
-    replace_buffers(module, lambda buffer: buffer.to(device))
-    tensors = [p.data for p in module.parameters()] + list(module.buffers())
-    broadcast_tensors(world, tensors)
 
 
 class TensorParallelism:
