@@ -306,7 +306,7 @@ def run_case(case: Case) -> dict[str, Any]:
     model = build_llama(0)
     model.set_attn_implementation(case.attention)
     if case.checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     reference = Reference(case, copy.deepcopy(model))
     given = optimizers(case, model) if case.optimizer == "muon" else None
     config = _with_monitor(case.config()) if case.monitor else case.config()

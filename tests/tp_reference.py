@@ -76,7 +76,7 @@ def prepared_model(pattern: str) -> torch.nn.Module:
     eager attention for "double" (the fused CPU kernel has no second derivative)."""
     model = build_llama()
     if pattern == "checkpoint":
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if pattern == "double":
         model.set_attn_implementation("eager")
     model.train()
