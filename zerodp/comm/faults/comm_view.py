@@ -47,6 +47,6 @@ class WatchedComm(Protocol):
 
     on_stall: OnStall | None
 
-    def agree_first(self, kind: str) -> None:
+    def agree_first(self, kind: str, label: str | None = None) -> None:
         """Before a collective (`kind`): agree on this rank's activity with every rank, if it
         began one since ([Note: agreeing before a collective] in `zerodp.comm.agreement`)."""
