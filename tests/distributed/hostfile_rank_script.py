@@ -43,7 +43,11 @@ def main() -> None:
     }
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
     if args.fail_rank == rank:
-        sys.exit(3)
+        # Ends at once with 3: an exit through the interpreter's finalization with the
+        # process group still up can end by gloo's SIGABRT instead (zerodp's teardown
+        # prevents that for zerodp's scripts; this one uses torch.distributed only).
+        sys.stdout.flush()
+        os._exit(3)
     if args.fail_rank >= 0:
         time.sleep(600)  # stuck: only the launcher's stop ends it
     dist.destroy_process_group()

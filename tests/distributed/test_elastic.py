@@ -39,7 +39,7 @@ def _agent(port: int, ckpt: Path, out: Path, env: dict[str, str], log: Path) -> 
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"),
         *("--rdzv-id", "elastic-test", "--rdzv-conf", "last_call_timeout=5"),
         *(str(SCRIPT), "--ckpt", str(ckpt), "--until", "10", "--out", str(out)),
-        *("--optimizer", "sgd", "--step-sleep", "0.3"),
+        *("--optimizer", "sgd", "--step-sleep", "0.15"),
     ]
     return subprocess.Popen(
         command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True

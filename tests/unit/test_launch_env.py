@@ -47,6 +47,9 @@ def test_srun_environment_becomes_torchruns() -> None:
         "MASTER_ADDR": "node07",
         "MASTER_PORT": str(DEFAULT_MASTER_PORT),
     }
+    # An srun of fewer tasks than the allocation: the step's count is the world.
+    step = read_launch_env({**env, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4"})
+    assert step.world_size == 4
     # The step's node list comes first; MASTER_ADDR and MASTER_PORT win when set.
     stepped = read_launch_env({**env, "SLURM_STEP_NODELIST": "node08"})
     assert stepped.torchrun_variables["MASTER_ADDR"] == "node08"

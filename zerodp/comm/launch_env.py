@@ -3,8 +3,9 @@
 `ensure_process_group` sets the default process group up from torchrun's variables
 (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`). Clusters mostly
 start jobs otherwise: `srun python train.py` gives each task `SLURM_PROCID`,
-`SLURM_NTASKS`, `SLURM_LOCALID` and the job's hosts in `SLURM_NODELIST`; Open MPI's
-`mpirun` gives `OMPI_COMM_WORLD_RANK`, `_SIZE` and `_LOCAL_RANK`; MPICH and Intel MPI
+`SLURM_NTASKS` (`SLURM_STEP_NUM_TASKS` first: the step's), `SLURM_LOCALID` and the
+job's hosts in `SLURM_NODELIST`; Open MPI's `mpirun` gives `OMPI_COMM_WORLD_RANK`,
+`_SIZE` and `_LOCAL_RANK`; MPICH and Intel MPI
 (hydra) give `PMI_RANK` and `PMI_SIZE`. When torchrun's variables are absent, this
 module reads those and writes torchrun's from them, so that everything after it (the
 process group's `env://` rendezvous, the device a rank picks from `LOCAL_RANK`, the
@@ -22,6 +23,7 @@ never falls back to a world of one, where each process would train alone without
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
@@ -45,6 +47,7 @@ class Launcher:
     size: str
     local_rank: str | None
     local_size: str | None
+    step_size: str | None = None  # the job step's own count, read before `size` when set
 
 
 # In order of precedence: mpirun run inside a SLURM allocation passes the SLURM variables
@@ -59,7 +62,14 @@ LAUNCHERS: tuple[Launcher, ...] = (
     ),
     Launcher("mpirun (MVAPICH)", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", None, None),
     Launcher("mpirun (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    Launcher("srun (SLURM)", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+    Launcher(
+        "srun (SLURM)",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        None,
+        step_size="SLURM_STEP_NUM_TASKS",  # an srun of fewer tasks than the allocation's
+    ),
 )
 
 _SLURM_NODE_LISTS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
@@ -110,6 +120,8 @@ def adopt_launch_env() -> LaunchEnv:
 
 
 def _from_launcher(launcher: Launcher, env: Mapping[str, str]) -> LaunchEnv:
+    if launcher.step_size is not None and env.get(launcher.step_size, "").strip():
+        launcher = dataclasses.replace(launcher, size=launcher.step_size)
     wanted = [launcher.rank, launcher.size]
     if launcher.local_rank is not None:
         wanted.append(launcher.local_rank)
