@@ -142,12 +142,13 @@ class Comm:
             return uneven_inputs_error(places)
         return None
 
-    def agree_first(self, kind: str) -> None:
-        """Before a collective (`kind`): if this rank began an activity since the last one,
-        agree on it with every rank (see [Note: agreeing before a collective])."""
+    def agree_first(self, kind: str, label: str | None = None) -> None:
+        """Before a collective (`kind`, in this group or the one labelled `label`): if this
+        rank began an activity since the last one, agree on it with every rank (see [Note:
+        agreeing before a collective])."""
         root = self if self._parent is None else self._parent
         if root.watches_stalls:
-            agreement().before(root, kind)
+            agreement().before(root, kind, self.label if label is None else label)
 
     def _check_stall(self) -> None:
         """A wait lasts: say where this rank is, and stop if another rank is stuck elsewhere."""
