@@ -87,7 +87,10 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     )
     model = LlamaForCausalLM(config)
     if not args.no_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers' current name; releases before it (5.18 and older) only have the one
+        # it deprecates, `gradient_checkpointing_enable`, which does the same.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
     return model
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from zerodp.testing import WorkerPool
+from zerodp.testing.caused_warnings import deprecations_caused_by_zerodp, describe
 
 # Nothing in the tests may reach the network (TRL's trainers report usage to the Hub); the
 # worker processes inherit this.
@@ -27,3 +28,19 @@ def pools() -> Iterator[Callable[[int], WorkerPool]]:
     yield get
     for pool in cache.values():
         pool.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test fails when zerodp's code called an API its library deprecates.
+
+    pyproject.toml's filters make a deprecation warning attributed to a `zerodp` module an
+    error; this also catches those that torch or transformers attribute to themselves while
+    zerodp made the call (`zerodp.testing.caused_warnings`). The pool's workers check their
+    tasks the same way (`zerodp.testing.dist`).
+    """
+    with deprecations_caused_by_zerodp() as caused:
+        result = yield
+    if caused:
+        pytest.fail(describe(caused), pytrace=False)
+    return result

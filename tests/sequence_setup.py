@@ -323,7 +323,7 @@ def run_case(case: Case) -> dict[str, Any]:
     for built in (model, plain):
         built.set_attn_implementation(case.attention)
         if case.checkpointing:
-            built.gradient_checkpointing_enable()
+            built.activation_checkpointing_enable()
     reference = Reference(case, plain)
     given = optimizers(case, model) if case.optimizer == "muon" else None
     config = _with_monitor(case.config()) if case.monitor else case.config()

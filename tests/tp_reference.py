@@ -3,8 +3,11 @@
 The reference is the whole model in one process, trained on the same samples: at each
 micro-step it runs every data rank's batch, each loss divided by (data ranks x
 accumulation), so its gradient is what ideal data parallelism averages; it clips and steps
-torch's AdamW. `train_engine` runs a zerodp engine on this rank's data index with the same
-backward pattern. Both record each loss and each step's global gradient norm.
+torch's AdamW (or SGD, whose step is the gradient itself: a uniform scale error that
+AdamW's normalisation hides shows in its weights). `train_engine` runs a zerodp engine on
+this rank's data index with the same backward pattern. Both record each loss and each
+step's global gradient norm, and on request each step's gradients before the step.
+`half_reference_run` is zerodp's bf16 / fp16 recipe written out in one process.
 
 Patterns: "plain"; "retain" (a second backward on the retained graph: the gradients add
 up); "double" (a gradient penalty: the input embeddings' gradient, taken with
@@ -13,18 +16,38 @@ create_graph=True, enters the loss); "checkpoint" (the model's activation checkp
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+import zerodp
 from tests.hf_models import HIDDEN, SEQ_LEN, VOCAB, build_llama
 
 LR = 1e-3
+SGD_LR = 0.1  # moves each weight by about 0.1 x its gradient: far above the fp32 bound
 MICRO = 2
 TENSOR = 2
 PATTERNS = ("plain", "retain", "double", "checkpoint")
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_SCALE = 2.0**8  # tp_config's initial_scale_power; a few clean steps keep it
+
+
+def optimizer_block(optimizer: str) -> dict[str, Any]:
+    """The config's optimizer block: AdamW at `LR`, or plain SGD at `SGD_LR`."""
+    if optimizer == "SGD":
+        return {"type": "SGD", "params": {"lr": SGD_LR}}
+    return {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}
+
+
+def torch_optimizer(optimizer: str, params: Any) -> torch.optim.Optimizer:
+    """The same optimizer as `optimizer_block`'s, for the one-process reference."""
+    if optimizer == "SGD":
+        return torch.optim.SGD(params, lr=SGD_LR)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
 
 def tp_config(
@@ -33,6 +56,7 @@ def tp_config(
     gas: int = 1,
     clip: float = 0.0,
     dtype: str = "fp32",
+    optimizer: str = "AdamW",
     **tensor_parallel: Any,
 ) -> dict[str, Any]:
     """A config for T=2 at `stage` (every parameter of 10 elements or more sharded at stage 3)."""
@@ -40,7 +64,7 @@ def tp_config(
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "optimizer": optimizer_block(optimizer),
         "zero_optimization": {
             "stage": stage,
             "stage3_param_persistence_threshold": 10,
@@ -76,7 +100,7 @@ def prepared_model(pattern: str) -> torch.nn.Module:
     eager attention for "double" (the fused CPU kernel has no second derivative)."""
     model = build_llama()
     if pattern == "checkpoint":
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if pattern == "double":
         model.set_attn_implementation("eager")
     model.train()
@@ -91,18 +115,27 @@ def run_backward(backward: Callable[..., Any], loss: torch.Tensor, pattern: str)
 
 @dataclass
 class Trace:
-    """What a run recorded: (step, micro, data index) -> loss, and each step's norm."""
+    """What a run recorded: (step, micro, data index) -> loss, each step's norm, and (when
+    asked) each step's gradients by parameter name before the step."""
 
     losses: dict[tuple[int, int, int], float] = field(default_factory=dict)
     norms: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def reference_run(
-    steps: int, gas: int, data_size: int, *, pattern: str = "plain", clip: float = 0.0
+    steps: int,
+    gas: int,
+    data_size: int,
+    *,
+    pattern: str = "plain",
+    clip: float = 0.0,
+    optimizer: str = "AdamW",
+    record_grads: bool = False,
 ) -> tuple[torch.nn.Module, Trace]:
     """The whole model in one process (see the module docstring)."""
     model = prepared_model(pattern)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    stepper = torch_optimizer(optimizer, model.parameters())
     trace = Trace()
     for step in range(steps):
         for micro in range(gas):
@@ -113,15 +146,60 @@ def reference_run(
                 run_backward(lambda s, **kw: s.backward(**kw), scaled, pattern)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         trace.norms.append(torch.nn.utils.get_total_norm(grads).item())
+        if record_grads:
+            trace.grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
+        stepper.step()
+        stepper.zero_grad()
     return model, trace
 
 
+def half_reference_run(steps: int, data_size: int, dtype: str) -> tuple[torch.nn.Module, Trace]:
+    """zerodp's bf16 / fp16 recipe in one process, one micro-step per step: the whole model
+    in `dtype` for forward and backward (fp16: the loss times its scale), its gradients
+    unscaled into fp32 masters, which AdamW steps and which are copied back into the model.
+    Returns the masters (as a model) and the losses."""
+    masters = build_llama()
+    model = copy.deepcopy(masters).to(HALF[dtype])
+    stepper = torch_optimizer("AdamW", masters.parameters())
+    scale = FP16_SCALE if dtype == "fp16" else 1.0
+    trace = Trace()
+    for step in range(steps):
+        for data_index in range(data_size):
+            loss = micro_loss(model, batch_for(step, 0, data_index), "plain")
+            trace.losses[(step, 0, data_index)] = loss.item()
+            (loss * scale / data_size).backward()
+        for master, param in zip(masters.parameters(), model.parameters(), strict=True):
+            master.grad = param.grad.float() / scale
+            param.grad = None
+        stepper.step()
+        stepper.zero_grad()
+        with torch.no_grad():
+            for master, param in zip(masters.parameters(), model.parameters(), strict=True):
+                param.copy_(master)
+    return masters, trace
+
+
+def full_grads(engine: Any) -> dict[str, torch.Tensor]:
+    """Each parameter's averaged gradient, this rank's slice of a split one (a collective)."""
+    grads = {}
+    for name, param in engine.module.named_parameters():
+        grad = zerodp.utils.safe_get_full_grad(param)
+        if grad is None:
+            raise AssertionError(f"{name} has no gradient at the boundary")
+        grads[name] = grad.float()
+    return grads
+
+
 def train_engine(
-    engine: Any, steps: int, gas: int, data_index: int, *, pattern: str = "plain"
+    engine: Any,
+    steps: int,
+    gas: int,
+    data_index: int,
+    *,
+    pattern: str = "plain",
+    record_grads: bool = False,
 ) -> tuple[Trace, int]:
     """`steps` optimizer steps of `engine` on this rank's batches; after each, the whole
     parameters are checked bitwise equal across the tensor group. Returns the trace and how
@@ -133,6 +211,8 @@ def train_engine(
             loss = micro_loss(engine, batch_for(step, micro, data_index), pattern)
             trace.losses[(step, micro, data_index)] = loss.item()
             run_backward(engine.backward, loss, pattern)
+            if record_grads and micro == gas - 1:
+                trace.grads.append(full_grads(engine))
             engine.step()
         norm = engine.get_global_grad_norm()
         trace.norms.append(float(norm))
@@ -144,6 +224,36 @@ def max_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
     if set(actual) != set(expected):
         raise AssertionError(f"names differ: {sorted(set(actual) ^ set(expected))}")
     return max((actual[k].float() - expected[k].float()).abs().max().item() for k in expected)
+
+
+def slices(
+    whole: dict[str, torch.Tensor], split: dict[str, Any], rank: int
+) -> dict[str, torch.Tensor]:
+    """`whole`'s tensors as tensor rank `rank` holds them: split ones (by `split`, name to
+    its `SplitParam`) cut to its slice, the others whole; in fp32."""
+    return {
+        name: (value.chunk(TENSOR, dim=split[name].dim)[rank] if name in split else value)
+        .detach()
+        .float()
+        for name, value in whole.items()
+    }
+
+
+def relative_update_error(
+    actual: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    start: dict[str, torch.Tensor],
+) -> float:
+    """|actual - expected| / |expected - start| over all tensors together (2-norms): how
+    far off the training's update is, as a fraction of it. An engine that never stepped
+    is 1.0 off."""
+    off = math.fsum(
+        (actual[k].float() - expected[k].float()).square().sum().item() for k in expected
+    )
+    moved = math.fsum(
+        (expected[k].float() - start[k].float()).square().sum().item() for k in expected
+    )
+    return math.sqrt(off / moved)
 
 
 def compare(

@@ -22,6 +22,13 @@ The third argument is a directory the uneven scenarios may save into.
 - `uneven_caught`, `uneven_end_caught`: as `uneven_save` at stage 2 and `uneven_end`, but the
   script catches `UnevenInputsError`, prints it and ends normally: exit 0 on every rank, at
   once, not after `comms_timeout_s` (300 s).
+- `gathered_caught`, `join_caught`: rank 0 enters a `GatheredParameters` block (stage 3) or
+  `engine.join()` (stage 2) while rank 1 trains on; both are activities the ranks agree on,
+  so both raise `UnevenInputsError` at once, catch it and end normally: exit 0, at once (they
+  used to wait out `comms_timeout_s` at exit: the collective was abandoned).
+- `dead_peer`: rank 1 is killed (SIGKILL, status -9) while rank 0 waits for it in a
+  collective at stage 3; rank 0's wait fails as soon as the peer's connections close (the
+  timeout is 300 s) and it exits 3.
 - `uneven/<config>/<a>/<b>`: one pairing of `tests/uneven.py` (the last rank does `b`, the
   others `a`: forward, backward, step, save, load or end), uncaught: exit 1 on a rank that
   raises `UnevenInputsError`, 0 on a rank whose script ended. `UNEVEN` lists every pairing
@@ -36,6 +43,7 @@ statuses these runs must never end with are 134 (SIGABRT) and -6.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -62,6 +70,9 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "uneven_end": (1, 0),
     "uneven_caught": (0, 0),
     "uneven_end_caught": (0, 0),
+    "gathered_caught": (0, 0),
+    "join_caught": (0, 0),
+    "dead_peer": (3, -9),
 }
 
 
@@ -142,6 +153,46 @@ def uneven(scenario: str, rank: int) -> None:
         print(f"ELAPSED {time.monotonic() - start:.1f} AT {time.time():.3f}", flush=True)
 
 
+def dead_peer(rank: int) -> None:
+    """Rank 1 is killed (SIGKILL: a lost node) while rank 0 waits for it in a collective;
+    rank 0's wait ends as soon as the connection closes, long before `comms_timeout_s`."""
+    engine, _, _, _ = zerodp.initialize(model=TinyNet(), config=_config(3, timeout=300))
+    _train(engine, rank, range(2))
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 is waiting in its next step's first collective by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        _train(engine, rank, range(2, 3))
+    except zerodp.CollectiveError as error:
+        print(f"rank {rank} {type(error).__name__}: {error}", flush=True)
+        print(f"ELAPSED {time.monotonic() - start:.1f} AT {time.time():.3f}", flush=True)
+        sys.exit(3)
+
+
+def outside_activities(scenario: str, rank: int) -> None:
+    """Collectives of something only rank 0 does (a `GatheredParameters` block at stage 3,
+    `engine.join()` at stage 2) while rank 1 trains on: caught by both, which end normally."""
+    stage = 3 if scenario == "gathered_caught" else 2
+    model = TinyNet()
+    engine, _, _, _ = zerodp.initialize(model=model, config=_config(stage, timeout=300))
+    _train(engine, rank, range(2))
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            _train(engine, rank, range(2, 3))
+        elif scenario == "gathered_caught":
+            with zerodp.zero.GatheredParameters(list(model.parameters())):
+                print(f"rank {rank} read {sum(float(p.sum()) for p in model.parameters()):.3f}")
+        else:
+            with engine.join():
+                _train(engine, rank, range(2, 3))
+    except zerodp.UnevenInputsError as error:
+        print(f"rank {rank} caught {type(error).__name__}: {error}", flush=True)
+    finally:
+        print(f"ELAPSED {time.monotonic() - start:.1f} AT {time.time():.3f}", flush=True)
+
+
 def main() -> None:
     scenario = sys.argv[1]
     torch.manual_seed(0)
@@ -165,6 +216,10 @@ def main() -> None:
         _train(engine, rank, range(2, 4))
     elif scenario in ("uneven_save", "uneven_end", "uneven_caught", "uneven_end_caught"):
         uneven(scenario, rank)
+    elif scenario == "dead_peer":
+        dead_peer(rank)
+    elif scenario in ("gathered_caught", "join_caught"):
+        outside_activities(scenario, rank)
     elif scenario.startswith("uneven/"):
         _, config_name, first, second = scenario.split("/")
         # One directory per run (ranks of a run share its port), for the checkpoints.

@@ -15,6 +15,7 @@ from zerodp.comm import (
     init_distributed,
     is_initialized,
 )
+from zerodp.comm.launch_env import adopt_launch_env
 from zerodp.compat import add_config_arguments
 from zerodp.compat.arguments import (
     config_from_arguments,
@@ -163,8 +164,9 @@ def initialize(
     if is_initialized():
         world_size, rank = current_world_size(), current_rank()
     else:
-        # Validate before setting up the process group: torchrun announced the size.
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # Validate before setting up the process group: the launcher announced the size
+        # (torchrun's variables, or those of srun or mpirun, written as torchrun's).
+        world_size = adopt_launch_env().world_size
         rank = int(os.environ.get("RANK", "0"))
     hints = hints_from_arguments(
         model=model,

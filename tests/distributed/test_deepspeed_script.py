@@ -13,9 +13,10 @@ as plain data parallelism in one process. Two more references, each without one
 of those defaults, must differ from the run: the test sees each default.
 
 DeepSpeed itself is not run here (`python bench/deepspeed_script.py` runs the
-same script under DeepSpeed 0.19.8 and zerodp and compares them step by step): it
-would add its install to every `make setup`, its CPU backend compiles a C++ op on
-first use (minutes), and each of its 2-rank launches takes about 50 s.
+same script under DeepSpeed 0.19.8 and zerodp and compares them step by step): its
+CPU backend compiles a C++ op on first use (minutes), and each of its 2-rank launches
+takes about 50 s. It is installed (the test extras hold it), so a `deepspeed` import
+the rewrite missed would run DeepSpeed's code unnoticed: none may be left.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def test_the_rewrite_changes_only_import_lines() -> None:
     ]
     assert changed, "the script has no deepspeed import to rewrite"
     assert all(line.startswith(("import ", "from ")) for line in changed), changed
+    left = re.findall(r"^\s*(?:import|from)\s+deepspeed\b.*$", rewritten, flags=re.M)
+    assert not left, left
     assert "deepspeed." in rewritten  # calls such as deepspeed.initialize stay as they are
 
 

@@ -39,6 +39,9 @@ SCENARIOS = [
     "uneven_end",
     "uneven_caught",
     "uneven_end_caught",
+    "gathered_caught",
+    "join_caught",
+    "dead_peer",
     "uneven/stage0/step/end",
     "uneven/shards3/load/end",
 ]
@@ -134,6 +137,22 @@ def test_every_rank_ends_with_its_own_status_and_the_culprit_is_named(tmp_path) 
     assert "Error" not in finished.output, finished.output
     for scenario in ("uneven_caught", "uneven_end_caught"):
         assert _seconds_to_exit(timed[scenario]) < 150, (scenario, timed[scenario])
+    # Collectives only rank 0 makes (a GatheredParameters block, engine.join()) against rank
+    # 1's training step: agreed like every activity, so found before anything is sent, and
+    # both processes end soon after, not at comms_timeout_s (300 s).
+    for scenario, doing in (
+        ("gathered_caught", "rank 0 is gathering parameters (GatheredParameters)"),
+        ("join_caught", "rank 0 is entering engine.join()"),
+    ):
+        for rank_exit in runs[scenario]:
+            assert f"rank {rank_exit.rank} caught UnevenInputsError" in rank_exit.output
+            assert doing in rank_exit.output and "rank 1 is in a " in rank_exit.output
+            assert _elapsed(rank_exit.output) < 60, rank_exit.output
+        assert _seconds_to_exit(timed[scenario]) < 60, (scenario, timed[scenario])
+    # A peer killed while this rank waits for it: the wait ends when its connections close,
+    # not at comms_timeout_s (300 s).
+    survivor, _killed = runs["dead_peer"]
+    assert "CollectiveError" in survivor.output and _elapsed(survivor.output) < 10, survivor
     for scenario, doing in (
         ("uneven/stage0/step/end", "is in an optimizer step after 2 optimizer steps"),
         ("uneven/shards3/load/end", "is loading a checkpoint after 2 optimizer steps"),

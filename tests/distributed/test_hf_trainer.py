@@ -180,7 +180,7 @@ def check_engine_owns_training(trainer: Any) -> None:
     model_params = {id(p) for p in model.parameters()}
     stepped = [p for g in trainer.engine.optimizer.param_groups for p in g["params"]]
     assert stepped and not any(id(p) in model_params for p in stepped)
-    assert model.is_gradient_checkpointing
+    assert model.is_activation_checkpointing
     assert trainer.engine.gradient_accumulation_steps() == GAS
 
 

@@ -41,6 +41,7 @@ from tests.distributed.test_backward_head import (
 from tests.lockstep import Lockstep
 from tests.models import LifecycleNet, TinyNet, lifecycle_inputs, tiny_inputs
 from tests.moe_models import TwoExpertNet, two_expert_inputs
+from zerodp.comm.agreement import agreement
 from zerodp.errors import ConfigWarning
 from zerodp.testing import WorkerPool
 
@@ -342,6 +343,99 @@ def test_bytes_per_step_follow_the_formulas(pool: WorkerPool) -> None:
         across[(layout, gas)] = expected.across_nodes(node_size=2)
     assert across[("stage3_shard2", 1)] == across[("stage3_shard2", 4)]
     assert across[("stage3_flat", 4)] == 4 * across[("stage3_flat", 1)] - 3 * 4  # norm once
+
+
+def agreement_reach_case(layout: str, gas: int) -> list[dict[str, int]]:
+    """Per micro-batch of the second step: the bytes the work and the uneven-inputs agreement
+    sent within and across nodes, and the agreements made inside the shard group."""
+    quiet_initialize_warnings()
+    torch.manual_seed(0)
+    engine, *_ = zerodp.initialize(model=TinyNet(), config=hybrid_config(layout, gas=gas))
+    rank = dist.get_rank()
+    reach = []
+    for step in range(2):
+        for micro in range(gas):
+            engine.comm.stats.reset()
+            local = agreement().num_local
+            engine.backward(engine(tiny_inputs(rank, 10 * step + micro)).square().mean())
+            engine.step()
+            work, agreed = engine.comms.traffic(), engine.comms.agreement_traffic()
+            reach.append(
+                {
+                    "work across": work.get("across nodes", 0),
+                    "agreements across": agreed.get("across nodes", 0),
+                    "agreements within": agreed.get("within a node", 0),
+                    "local agreements": agreement().num_local - local,
+                }
+            )
+    engine.destroy()
+    return reach[gas:]
+
+
+def test_micro_batches_before_the_boundary_cross_no_node(pool: WorkerPool) -> None:
+    """In shard groups of 2 (4 ranks as 2 nodes of 2), a micro-batch that is not the
+    accumulation boundary sends nothing across nodes: neither its gathers and reductions nor
+    the uneven-inputs agreement, which agrees inside the shard group (stage 3: before its
+    forward's gathers and its backward's reduce-scatter; stage 2: its backward's). The
+    boundary's micro-batch agrees across nodes, before the all-reduce across shard groups."""
+    for layout, per_micro in (("stage3_shard2", 2), ("stage2_shard2", 1)):
+        for rank_reach in pool.run(agreement_reach_case, layout, 3):
+            *before, boundary = rank_reach
+            for reach in before:
+                assert reach["work across"] == 0 and reach["agreements across"] == 0, reach
+                assert reach["local agreements"] == per_micro, (layout, reach)
+                assert reach["agreements within"] == 48 * per_micro, (layout, reach)
+            assert boundary["work across"] > 0 and boundary["agreements across"] > 0, boundary
+
+
+def uneven_inside_a_shard_group_case(root: str) -> tuple[str, int]:
+    """Stage 3, shard groups of 2, 2 micro-batches per step: after two steps, rank 3 saves a
+    checkpoint where the others run the next step's first micro-batch (which agrees inside
+    the shard group only). What each rank raised, and at which micro-batch it did."""
+    quiet_initialize_warnings()
+    torch.manual_seed(0)
+    config = hybrid_config("stage3_shard2", gas=2)
+    config["comms_timeout_s"] = 60
+    engine, *_ = zerodp.initialize(model=TinyNet(), config=config)
+    rank = dist.get_rank()
+    for micro in range(4):  # two steps: the collective order check's passes replay after them
+        engine.backward(engine(tiny_inputs(rank, micro)).square().mean())
+        engine.step()
+    raised, where = "", -1
+    try:
+        if rank == 3:
+            where = 0
+            engine.save_checkpoint(root)
+        else:
+            for micro in range(2):
+                where = micro
+                engine.backward(engine(tiny_inputs(rank, 10 + micro)).square().mean())
+                engine.step()
+    except zerodp.UnevenInputsError as error:
+        raised = str(error)
+    finally:
+        agreement().reset()
+        engine.destroy()
+    return raised, where
+
+
+def test_uneven_inputs_inside_a_shard_group_are_named_on_every_rank(
+    pool: WorkerPool, tmp_path
+) -> None:
+    """Rank 3 saves while its shard-group peer (rank 2) runs a micro-batch before the
+    boundary: the two find it in their shard group's agreement at once and wait in the one
+    over every rank, which ranks 0 and 1 (the other shard group, whose micro-batch agreed
+    inside it) reach at the boundary's micro-batch: every rank raises the same error naming
+    every rank, and nothing mismatched was sent (the next test runs on the same processes)."""
+    results = pool.run(uneven_inside_a_shard_group_case, str(tmp_path / "ckpt"))
+    messages = {message for message, _ in results}
+    assert len(messages) == 1, results
+    (message,) = messages
+    assert "rank 3 is saving a checkpoint after 2 optimizer steps" in message, message
+    assert "rank 2 is in a forward pass" in message, message
+    for rank in (0, 1):  # at the boundary's micro-batch, where the world agrees
+        assert f"rank {rank} is in a forward pass after 2 optimizer steps (5 micro" in message
+        assert results[rank][1] == 1, results
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Each test states the rule and checks it on its own (torch's signatures, the
 closed forms); where DeepSpeed is importable it also asks DeepSpeed's own code
 path: which class `DeepSpeedEngine.get_optimizer_configuration` picks for the
 config, that class's constructor defaults, `get_gradient_clipping({})`, and
-DeepSpeed's schedulers stepped beside zerodp's.
+DeepSpeed's schedulers stepped beside zerodp's. DeepSpeed 0.19.8 is in the test
+extras, so those run on every checkout set up with `make setup`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import inspect
 import math
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +28,18 @@ from zerodp.optim.param_groups import resolve_param_groups
 from zerodp.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def deepspeeds_cpu_accelerator() -> Iterator[None]:
+    """DeepSpeed's CPU accelerator, as `DS_ACCELERATOR=cpu` chooses it: zerodp's defaults
+    here are the CPU's (`built(device="cpu")`), and DeepSpeed picks its accelerator once, at
+    its first use, by probing the machine otherwise (a GPU's own, or the CPU with a warning).
+    Only while this module runs: zerodp refuses a `DS_ACCELERATOR` that names another device
+    than its own, which on a GPU machine the CPU is."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DS_ACCELERATOR", "cpu")
+        yield
 
 
 def built(optimizer: dict[str, Any], device: str = "cpu", **top: Any) -> tuple[type, dict]:

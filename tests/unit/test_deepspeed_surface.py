@@ -296,15 +296,11 @@ def test_include_exclude_and_a_one_host_hostfile(script: Path) -> None:
         plan("--exclude", "localhost:0")
 
 
-def test_several_hosts_print_the_command_for_each(script: Path) -> None:
+def test_several_hosts_are_started_from_here_or_each_with_no_ssh(script: Path) -> None:
     hostfile = script.parent / "hosts"
     hostfile.write_text("a slots=2\nb slots=2\n")
-    with pytest.raises(runner.RunUsageError) as info:
-        plan("--hostfile", str(hostfile))
-    text = str(info.value)
-    assert (
-        "on b: zerodp run --nnodes 2 --node-rank 1 --master-addr a --master-port 29500 -n 2" in text
-    )
+    started = plan("--hostfile", str(hostfile))  # tests/unit/test_multinode_launch.py
+    assert isinstance(started, runner.HostsPlan) and started.hosts.hosts == ["a", "b"]
     result = plan("--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1")
     assert result.torchrun_argv[:8] == (
         *("--nproc-per-node", "2", "--nnodes", "2"),

@@ -173,8 +173,11 @@ class ReductionQueue:
             self._finalize_oldest()
 
     def _note(self, state: GroupState, operation: str = "reduce") -> None:
+        """The collective order check's note: in the shard group, or across replicas."""
         if self.order is not None:
-            self.order.note(operation, state.order)
+            replicas = self.replicas if operation == "reduce across replicas" else None
+            label = (replicas or self.comm).label
+            self.order.note(operation, state.order, label)
 
     def _track(self, inflight: _InFlight) -> None:
         self._inflight.append(inflight)

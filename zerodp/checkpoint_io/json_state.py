@@ -54,8 +54,40 @@ def shared_state(subject: CheckpointSubject, client_json: Any) -> dict[str, Any]
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
         "loss_scaler": subject.loss_scaler.state_dict(),
         "dataloader": loader.state_dict() if loader is not None else None,
+        "accumulation_steps": subject.accumulation_steps,
         "client_state": client_json,
     }
+
+
+def counters_to_load(shared: dict[str, Any], accumulation_steps: int) -> dict[str, Any]:
+    """The saved counters as this engine continues them; `CheckpointError` when it cannot.
+
+    A run resumed with another number of data ranks keeps `train_batch_size`, so its
+    accumulation steps A change (`config.batch`). Where the next step's window starts is
+    counted from the micro-steps (`micro_steps % A`), so a checkpoint saved at a window's
+    boundary continues with micro_steps = global_steps x A, as if the run had always
+    accumulated A (as a DeepSpeed checkpoint is loaded); one saved inside a window cannot
+    be continued with another A. Checkpoints without the saved A count with this one.
+    """
+    counters = dict(shared["counters"])
+    saved = shared.get("accumulation_steps", accumulation_steps)
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 1:
+        raise CheckpointError(
+            f"checkpoint state: 'accumulation_steps' is {saved!r}; the checkpoint's "
+            f"{STATE_FILE} is damaged"
+        )
+    if saved == accumulation_steps:
+        return counters
+    inside = counters["micro_steps"] % saved
+    if inside:
+        raise CheckpointError(
+            f"the checkpoint was saved {inside} micro-steps into an accumulation window of "
+            f"{saved}; this engine accumulates {accumulation_steps} (another number of data "
+            "ranks, or another train_batch_size): resume it with the world size that saved "
+            "it, or from a checkpoint saved at an optimizer step's boundary"
+        )
+    counters["micro_steps"] = counters["global_steps"] * accumulation_steps
+    return counters
 
 
 def rank_state() -> dict[str, Any]:

@@ -171,6 +171,7 @@ def load_checkpoint(
         if not options.load_module_only:
             grads = window_gradients.plan_load(subject, shared, saved, with_optimizer)
             wanted.update(grads.destinations)
+            json_state.counters_to_load(shared, subject.accumulation_steps)  # a resize fits
         destinations.check_kinds(wanted, saved, metadata)
     except _FAILURES as caught:
         error = caught if isinstance(caught, ZeroDPError) else _unexpected(caught, path)
@@ -188,7 +189,9 @@ def load_checkpoint(
 
     subject.after_load()
     if not options.load_module_only:
-        subject.counters.load_state_dict(shared["counters"])
+        subject.counters.load_state_dict(
+            json_state.counters_to_load(shared, subject.accumulation_steps)
+        )
         if with_optimizer:
             subject.optimizer_settings.load_state_dict(shared["optimizer"])
             subject.loss_scaler.load_state_dict(shared["loss_scaler"])
@@ -286,7 +289,13 @@ def _check_json_pieces(
     loader_state = shared.get("dataloader")
     if subject.dataloader is not None and loader_state is not None:
         schema.check_counts(loader_state, "checkpoint dataloader")
-        schema.check_like(loader_state, subject.dataloader.state_dict(), "checkpoint dataloader")
+        check_loader = getattr(subject.dataloader, "check_state_dict", None)
+        if check_loader is None:
+            schema.check_like(
+                loader_state, subject.dataloader.state_dict(), "checkpoint dataloader"
+            )
+        else:  # the engine's loader: a position saved at another world size may resume
+            check_loader(loader_state, shared["world_size"], subject.comm.world_size)
 
 
 def _read_rank_json(

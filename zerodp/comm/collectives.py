@@ -34,12 +34,9 @@ from zerodp.comm.faults.polled_waits import OnStall
 from zerodp.comm.faults.teardown import abandon, abort_group, register
 from zerodp.comm.faults.uneven_inputs import uneven_inputs_error, whereabouts
 from zerodp.comm.handles import DONE, Handle
+from zerodp.comm.single_tensor import all_gather_single, reduce_scatter_single
 from zerodp.comm.stats import WORLD, CollectiveKind, CommStats, tensor_nbytes
 from zerodp.errors import AGREED_TYPES, AgreedError, CollectiveError
-
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _is_gloo(group: Any) -> bool:
@@ -145,12 +142,13 @@ class Comm:
             return uneven_inputs_error(places)
         return None
 
-    def agree_first(self, kind: str) -> None:
-        """Before a collective (`kind`): if this rank began an activity since the last one,
-        agree on it with every rank (see [Note: agreeing before a collective])."""
+    def agree_first(self, kind: str, label: str | None = None) -> None:
+        """Before a collective (`kind`, in this group or the one labelled `label`): if this
+        rank began an activity since the last one, agree on it with every rank (see [Note:
+        agreeing before a collective])."""
         root = self if self._parent is None else self._parent
         if root.watches_stalls:
-            agreement().before(root, kind)
+            agreement().before(root, kind, self.label if label is None else label)
 
     def _check_stall(self) -> None:
         """A wait lasts: say where this rank is, and stop if another rank is stuck elsewhere."""
@@ -216,7 +214,7 @@ class Comm:
                 output.copy_(input)
             return DONE
         self.stats.record(CollectiveKind.REDUCE_SCATTER, tensor_nbytes(input), self.label)
-        work = _reduce_scatter_single(
+        work = reduce_scatter_single(
             output, input, group=self.group, async_op=self._polled(async_op)
         )
         return self._finish(work, async_op, timed=False)
@@ -236,7 +234,7 @@ class Comm:
                 output.copy_(input)
             return DONE
         self.stats.record(CollectiveKind.ALL_GATHER, tensor_nbytes(output), self.label)
-        work = _all_gather_single(output, input, group=self.group, async_op=self._polled(async_op))
+        work = all_gather_single(output, input, group=self.group, async_op=self._polled(async_op))
         return self._finish(work, async_op)
 
     @recorded("all_to_all")

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.single_tensor import all_gather_single
+
 Finish = Callable[[Any, bool], Any]  # Comm._finish: wait for a work, polled
 
 
@@ -25,12 +27,12 @@ def gather_objects(obj: Any, group: Any, world_size: int, finish: Finish) -> lis
     data = _bytes_of(obj)
     length = torch.tensor([data.numel()], dtype=torch.int64)
     lengths = torch.empty(world_size, dtype=torch.int64)
-    finish(dist.all_gather_into_tensor(lengths, length, group=group, async_op=True), False)
+    finish(all_gather_single(lengths, length, group=group, async_op=True), False)
     longest = int(lengths.max())
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: data.numel()] = data
     gathered = torch.empty(world_size * longest, dtype=torch.uint8)
-    finish(dist.all_gather_into_tensor(gathered, padded, group=group, async_op=True), False)
+    finish(all_gather_single(gathered, padded, group=group, async_op=True), False)
     return [
         _object_of(gathered[rank * longest : rank * longest + int(lengths[rank])])
         for rank in range(world_size)

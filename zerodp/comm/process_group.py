@@ -1,8 +1,9 @@
-"""Process-group set-up from torchrun's environment.
+"""Process-group set-up from the launcher's environment.
 
 `zerodp.initialize` calls `ensure_process_group`, so a script launched by
-`torchrun` (or `zerodp run`) needs no set-up of its own, and a plain
-`python script.py` runs at world size 1 without any environment variables.
+`torchrun` (or `zerodp run`), `srun` or `mpirun` needs no set-up of its own
+(`zerodp.comm.launch_env` reads the last two), and a plain `python script.py`
+runs at world size 1 without any environment variables.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.comm.faults import teardown
+from zerodp.comm.launch_env import adopt_launch_env
 
 
 class _GroupState:
@@ -95,7 +97,8 @@ def comms_timeout(timeout_s: float | None) -> datetime.timedelta | None:
 
 
 def ensure_process_group(timeout_s: float | None = None) -> None:
-    """Initialise the default process group from torchrun's variables if it is not up yet.
+    """Initialise the default process group from the launcher's variables if it is not up
+    yet: torchrun's, else those of srun or mpirun, written as torchrun's (`launch_env`).
 
     Collectives wait at most `timeout_s` (see `comms_timeout`); torch's default for
     the backend when neither it nor the environment variable is set.
@@ -115,13 +118,14 @@ def ensure_process_group(timeout_s: float | None = None) -> None:
             "torch.distributed is not available in this PyTorch build; "
             "install a build with distributed support"
         )
+    launch = adopt_launch_env()  # a partial environment raises here, naming what is missing
     device = default_device()
     if device.type != "cpu":
         accelerator_module = getattr(torch, device.type)
         accelerator_module.set_device(device)
     backend = _backend_for(device)
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        # A plain `python script.py`: one process, no rendezvous needed.
+    if not launch.rendezvous:
+        # One process (a plain `python script.py`): no rendezvous needed.
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )

@@ -32,6 +32,7 @@ from zerodp.comm.process_group import (
     ensure_process_group,
     is_initialized,
 )
+from zerodp.comm.single_tensor import all_gather_single, reduce_scatter_single
 from zerodp.errors import UnsupportedFeatureError, UsageError
 
 __all__ = [
@@ -91,8 +92,6 @@ P2POp = dist.P2POp
 
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 _PROFILING_KEYWORDS = frozenset({"prof", "log_name", "debug"})
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- set-up ------------------------------------------------------------------------------
@@ -357,10 +356,10 @@ all_reduce = _forward(dist.all_reduce)
 reduce = _forward(dist.reduce)
 all_gather = _forward(dist.all_gather)
 all_gather_object = _forward(dist.all_gather_object)
-all_gather_into_tensor = _forward(_all_gather_single)
+all_gather_into_tensor = _forward(all_gather_single)
 allgather_fn = all_gather_into_tensor
 reduce_scatter = _forward(dist.reduce_scatter)
-reduce_scatter_tensor = _forward(_reduce_scatter_single)
+reduce_scatter_tensor = _forward(reduce_scatter_single)
 reduce_scatter_fn = reduce_scatter_tensor
 all_to_all_single = _forward(dist.all_to_all_single)
 all_to_all = _forward(dist.all_to_all)
@@ -407,7 +406,7 @@ def all_gather_coalesced(
     _require_group()
     handle = None
     for output, tensor in zip(output_tensors, input_tensors, strict=True):
-        handle = _all_gather_single(output, tensor, group=group, async_op=async_op)
+        handle = all_gather_single(output, tensor, group=group, async_op=async_op)
     return handle
 
 

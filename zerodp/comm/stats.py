@@ -46,16 +46,23 @@ class CommStats:
     bytes: Counter[CollectiveKind] = field(default_factory=Counter)
     calls: Counter[CollectiveKind] = field(default_factory=Counter)
     by_group: Counter[tuple[str, CollectiveKind]] = field(default_factory=Counter)
+    # The uneven-inputs agreements' bytes per group label ("world", "shard"): kept apart,
+    # so that the figures above are the work's own ([Note: agreeing before a collective]).
+    agreements: Counter[str] = field(default_factory=Counter)
 
     def record(self, kind: CollectiveKind, nbytes: int, label: str = WORLD) -> None:
         self.bytes[kind] += nbytes
         self.calls[kind] += 1
         self.by_group[(label, kind)] += nbytes
 
+    def record_agreement(self, label: str, nbytes: int) -> None:
+        self.agreements[label] += nbytes
+
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
         self.by_group.clear()
+        self.agreements.clear()
 
     def total_bytes(self) -> int:
         return sum(self.bytes.values())

@@ -137,6 +137,24 @@ class GroupComms:
                 out[reach] = out.get(reach, 0) + nbytes
         return out
 
+    def agreement_traffic(self) -> dict[str, int]:
+        """The uneven-inputs agreements' bytes since the stats' last reset, by reach (kept
+        apart from `traffic()`, the work's own)."""
+        out: dict[str, int] = {}
+        for label, nbytes in self.world.stats.agreements.items():
+            reach = ACROSS_NODES if self.crosses_nodes(label) else WITHIN_NODE
+            out[reach] = out.get(reach, 0) + nbytes
+        return out
+
+    def inside_shard_group(self) -> frozenset[str]:
+        """The labels of this rank's groups that lie inside its shard group."""
+        shard = set(self.dims.own_group(SHARD))
+        return frozenset(
+            label
+            for label in (SHARD, *LABELS)
+            if self.of(label) is not None and set(self.dims.own_group(label)) <= shard
+        )
+
 
 def flat_comms(world: Comm) -> GroupComms:
     """Sharding over all ranks: the world is the shard group."""

@@ -399,6 +399,7 @@ def _data_loader(
     return ZeroDataLoader(
         training_data,
         micro_batch_size=config.batch_sizes.train_micro_batch_size_per_gpu,
+        global_batch_size=config.batch_sizes.train_batch_size,
         rank=comms.dims.data_index,
         world_size=comms.dims.data_size,
         collate_fn=collate_fn,

@@ -95,6 +95,8 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         )
         self.comm = parts.comm
         self.comms = parts.comms  # shard, replica and hpZ groups (docs/multi-node.md)
+        # Micro-batches before the boundary agree inside their shard group.
+        agreement().install_local(self.comms, comms_timeout(config.comms_timeout_s))
         self.device = parts.device
         self.strategy = parts.strategy
         self.precision = parts.precision
@@ -123,7 +125,11 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
         self._handles.append(ZeroGradRoute(module, self.zero_grad))
         # Each backward is an activity the ranks agree on ([Note: agreeing before a collective]).
         self._handles.append(
-            self.lifecycle.on_prologue(lambda task: agreement().begin(Activity.BACKWARD))
+            self.lifecycle.on_prologue(
+                lambda task: agreement().begin(
+                    Activity.BACKWARD, local=not self.window.task_reduces()
+                )
+            )
         )
         self._guard = guards.ModuleGuard(module)
         self._handles.append(self._guard)
@@ -142,7 +148,9 @@ class ZeroEngine(DeepSpeedEngineMethods, PostTrainingMethods, CheckpointMethods,
             if self.tensor_parallel is not None:  # the first forward's inputs, compared
                 self.tensor_parallel.on_forward_start(args, kwargs)
             self._announce_round(args, kwargs)  # inside engine.join() only
-            agreement().begin(Activity.FORWARD)  # see [Note: agreeing before a collective]
+            # See [Note: agreeing before a collective]: inside the shard group but at the
+            # accumulation boundary.
+            agreement().begin(Activity.FORWARD, local=not self.window.is_boundary())
 
     def ensure_no_stale_backward(self) -> None:
         """Abort a backward that ended in an exception (its epilogue will never come)."""

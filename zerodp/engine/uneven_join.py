@@ -35,6 +35,8 @@ import torch
 from zerodp._tree import grad_tensors_in
 from zerodp.backward.reducer import GradientReducer
 from zerodp.comm import Comm
+from zerodp.comm.agreement import agreement
+from zerodp.comm.faults.uneven_inputs import Activity
 from zerodp.comm.join_protocol import (
     CallbackJoinHook,
     Join,
@@ -101,7 +103,12 @@ class JoinMethods(Joinable):
     # -- torch's joinable protocol ---------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> CallbackJoinHook:
-        """What this rank does once out of batches (called by torch's `Join`)."""
+        """What this rank does once out of batches (called by torch's `Join`, on entering).
+
+        Entering is an activity the ranks agree on ([Note: agreeing before a collective]):
+        a join on some ranks only would pair its all-reduces with the others' training
+        collectives, so it is an `UnevenInputsError` on every rank here, at once."""
+        agreement().agree_now(self.comm, Activity.JOINING, "entering engine.join()")
         self._refuse_join_with_shared_batches()
         self._join_divide_by_initial_world_size = bool(
             kwargs.get("divide_by_initial_world_size", True)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from types import TracebackType
 
 import torch
 from torch import nn
 
 from zerodp.comm import Comm, broadcast_tensors, ensure_process_group
+from zerodp.comm.agreement import agreement
+from zerodp.comm.faults.uneven_inputs import Activity
 from zerodp.errors import ParamStateError
 from zerodp.full_state.param_managers import manager_of
 from zerodp.group_state import GroupState
@@ -41,10 +44,15 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._held: list[tuple[zero_parameter.ParamOwner, GroupState]] = []
+        self._activity: AbstractContextManager[None] | None = None
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
+        # Its collectives are an activity the ranks agree on ([Note: agreeing before a
+        # collective]): a block entered on some ranks only is an UnevenInputsError at once.
+        self._activity = agreement().doing(Activity.GATHERING)
+        self._activity.__enter__()
         for owner, state in self._sharded_groups():
             owner.hold(state)
             self._held.append((owner, state))
@@ -62,9 +70,14 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._broadcast_from_modifier(int(self.modifier_rank))
         finally:
-            for owner, state in reversed(self._held):
-                owner.unhold(state)
-            self._held = []
+            try:
+                for owner, state in reversed(self._held):
+                    owner.unhold(state)
+            finally:
+                self._held = []
+                if self._activity is not None:
+                    self._activity.__exit__(None, None, None)
+                    self._activity = None
 
     def _sharded_groups(self) -> list[tuple[zero_parameter.ParamOwner, GroupState]]:
         """(owner, group) pairs in the owner's fixed order, so that every rank gathers alike."""

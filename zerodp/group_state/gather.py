@@ -118,6 +118,14 @@ class GatherState:
         """Whether the next gather reads the secondary shards (hpZ, while they are valid)."""
         return self.secondary is not None and self.secondary.valid
 
+    @property
+    def next_gather_label(self) -> str:
+        """The label of the group the next gather runs in (the hpZ group or the shard group)."""
+        secondary = self.secondary
+        return (
+            secondary.comm.label if secondary is not None and secondary.valid else self.comm.label
+        )
+
     def shard_changed(self) -> None:
         """The group's values changed (a step, a load, a published write): a secondary shard
         is stale from now on (see [Note: hpZ secondary shard])."""

@@ -11,9 +11,11 @@ adds the others and translates them:
   lines): on one host, the chosen slots become the process count and
   `CUDA_VISIBLE_DEVICES`, as DeepSpeed sets it;
 - `--num_nodes N` with `--no_ssh --node_rank R` (DeepSpeed's launch on each node): torchrun's
-  `--nnodes N --node-rank R`; several hosts without `--no_ssh` need processes started
-  on other machines, which zerodp leaves to torchrun on each host: the error prints
-  the command for each;
+  `--nnodes N --node-rank R`;
+- several hosts (a hostfile, `--include` / `--exclude` / `--num_nodes` choosing among them,
+  `--force_multi`): `SeveralHosts`, which `zerodp.launch.multinode_runner` starts: over
+  pdsh or ssh (`--launcher pdsh`, the default; `--ssh_port`, `--launcher_args`), or as
+  one `srun` / `mpirun` command (`--launcher slurm`, `--launcher openmpi`);
 - `--enable_each_rank_log DIR`: torchrun's `--log-dir DIR --redirects 3`;
 - every process gets `--local_rank=<its local rank>` in front of its script arguments,
   as from DeepSpeed's launcher, unless `--no_local_rank`.
@@ -25,11 +27,11 @@ ssh settings on one host) change nothing here and are listed in one warning.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
+import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from zerodp.launch.hostfile import LaunchError, Pool, active_pool
 
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's launcher default
 LOCAL_RANK_MODULE = "zerodp.launch.local_rank"
@@ -79,10 +81,6 @@ _SEVERAL_NODES = {
 }
 
 
-class LaunchError(ValueError):
-    """DeepSpeed launcher flags `zerodp run` cannot serve; the message says what to run."""
-
-
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add DeepSpeed's launcher-only flags to `parser` (each dest is the flag's name)."""
     for names, keywords in _FLAGS:
@@ -93,15 +91,35 @@ def flag_dests() -> list[str]:
     return [keywords.get("dest", names[-1].lstrip("-")) for names, keywords in _FLAGS]
 
 
+LAUNCHERS = ("pdsh", "slurm", "openmpi")
+"""The `--launcher` values for several hosts that zerodp serves (pdsh: pdsh, or ssh)."""
+
+
+@dataclass(frozen=True)
+class SeveralHosts:
+    """A launch on the hosts of `pool` that zerodp starts itself (`launch.multinode_runner`).
+
+    `master_addr` None: the first host's address, asked of it when the launch starts.
+    """
+
+    pool: Pool
+    launcher: str
+    launcher_args: tuple[str, ...]
+    master_addr: str | None
+    master_port: int
+    ssh_port: int | None
+
+
 @dataclass(frozen=True)
 class DeepSpeedLaunch:
-    """What DeepSpeed's flags ask of torchrun."""
+    """What DeepSpeed's flags ask of torchrun (on this machine, or on each of `hosts`)."""
 
-    nproc: str | None  # None: zerodp's own -n decides
+    nproc: str | None  # None: zerodp's own -n decides (or, with hosts, each host's slots)
     torchrun_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     pass_local_rank: bool = True
     no_effect: tuple[str, ...] = ()
+    hosts: SeveralHosts | None = None
 
 
 def deepspeed_launch(
@@ -128,7 +146,7 @@ def deepspeed_launch(
         )
     if parsed.include and parsed.exclude:
         raise LaunchError("--include and --exclude cannot be combined (as in DeepSpeed)")
-    pool = _active_pool(parsed)
+    pool = active_pool(parsed)
     no_effect = tuple(_NO_EFFECT[d] for d in given if d in _NO_EFFECT)
     log_args: tuple[str, ...] = ()
     if parsed.enable_each_rank_log != "None":
@@ -152,169 +170,65 @@ def deepspeed_launch(
 
 def _multi_node(
     parsed: argparse.Namespace,
-    pool: dict[str, list[int]],
+    pool: Pool,
     log_args: tuple[str, ...],
     no_effect: tuple[str, ...],
     written: set[str],
 ) -> DeepSpeedLaunch:
     hosts = list(pool)
     num_nodes = parsed.num_nodes if parsed.num_nodes > 0 else len(hosts)
-    master = parsed.master_addr if parsed.master_addr != "127.0.0.1" else hosts[0]
-    if master == "localhost" and num_nodes > 1:
-        master = "<first host's address>"
+    given_master = bool(written & {"--master_addr", "--master-addr"})
     port = parsed.master_port or DEFAULT_MASTER_PORT
-    per_node = len(next(iter(pool.values())))
     if parsed.no_ssh and written & {"--node_rank", "--node-rank"} and parsed.launcher == "pdsh":
-        # --node_rank, and --master_addr / --master_port when written, reach torchrun as given.
+        # DeepSpeed's launch on each node: --node_rank, and --master_addr / --master_port
+        # when written, reach torchrun as given; the master is the first host otherwise.
         rendezvous = ["--nnodes", str(num_nodes)]
-        if not written & {"--master_addr", "--master-addr"}:
-            rendezvous += ["--master-addr", master]
+        if not given_master:
+            rendezvous += ["--master-addr", hosts[0]]
         if not written & {"--master_port", "--master-port"}:
             rendezvous += ["--master-port", str(port)]
         return DeepSpeedLaunch(
-            nproc=str(per_node),
+            nproc=str(len(pool[hosts[0]])),
             torchrun_args=(*rendezvous, *log_args),
             env={"PYTHONUNBUFFERED": "1"},
             pass_local_rank=not parsed.no_local_rank,
             no_effect=no_effect,
         )
-    names = hosts if len(hosts) == num_nodes else [f"<host {i}>" for i in range(num_nodes)]
-    lines = "\n".join(
-        f"  on {name}: zerodp run --nnodes {num_nodes} --node-rank {rank} --master-addr "
-        f"{master} --master-port {port} -n {per_node} script.py [args]"
-        for rank, name in enumerate(names)
-    )
-    how = (
-        f"--launcher {parsed.launcher}"
-        if parsed.launcher != "pdsh"
-        else "DeepSpeed's launcher reaches the other hosts over ssh"
-    )
-    raise LaunchError(
-        f"{num_nodes} nodes: zerodp run starts processes on this machine only ({how}); start "
-        "it on each host (or pass --no_ssh --node_rank R there, as with DeepSpeed), e.g.\n" + lines
-    )
-
-
-def _active_pool(parsed: argparse.Namespace) -> dict[str, list[int]]:
-    """Host -> slots after the hostfile, --include/--exclude, --num_nodes and --num_gpus."""
-    if parsed.hostfile:
-        pool = _read_hostfile(Path(parsed.hostfile))
-    else:
-        pool = {"localhost": list(range(_local_slots(parsed)))}
-    if parsed.include:
-        pool = _include(pool, parsed.include)
-    if parsed.exclude:
-        pool = _exclude(pool, parsed.exclude)
-    if parsed.num_nodes > 0 and parsed.hostfile:
-        pool = dict(list(pool.items())[: parsed.num_nodes])
-    if parsed.num_gpus > 0:
-        short = [h for h, slots in pool.items() if len(slots) < parsed.num_gpus and parsed.hostfile]
-        if short:
-            raise LaunchError(
-                f"--num_gpus {parsed.num_gpus}: host {short[0]} has only "
-                f"{len(pool[short[0]])} slots in the hostfile"
-            )
-        pool = {host: list(range(parsed.num_gpus)) for host in pool}
-    empty = [host for host, slots in pool.items() if not slots]
-    if empty or not pool:
-        raise LaunchError("no processes left to start after --include/--exclude")
-    return pool
-
-
-def _local_slots(parsed: argparse.Namespace) -> int:
-    """This machine's accelerators; on a CPU-only machine, what the flags name."""
-    import torch
-
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        count = int(accelerator.device_count())
-        if parsed.num_gpus > count:
-            raise LaunchError(f"--num_gpus {parsed.num_gpus}: this machine has {count}")
-        return parsed.num_gpus if parsed.num_gpus > 0 else count
-    if parsed.num_gpus > 0:
-        return parsed.num_gpus
-    if parsed.exclude:
+    if num_nodes > len(hosts) or (parsed.num_nodes > 1 and not parsed.hostfile):
         raise LaunchError(
-            "--exclude on a machine without accelerators: there are no device slots to "
-            "exclude; give the number of processes with --num_gpus N"
+            f"--num_nodes {num_nodes}: {len(hosts)} host(s) to choose from; list the hosts "
+            "in a hostfile (--hostfile, 'host slots=N' lines)"
         )
-    if parsed.include:
-        return 1 + max(slot for spec in _parse_specs(parsed.include).values() for slot in spec)
-    return 1
+    if parsed.no_ssh:
+        raise LaunchError(
+            "--no_ssh starts this node only: give its --node_rank (and --master_addr), as "
+            "with DeepSpeed, or drop --no_ssh to start every host from here"
+        )
+    if parsed.launcher not in LAUNCHERS:
+        raise LaunchError(_other_launcher(parsed.launcher))
+    hosts_launch = SeveralHosts(
+        pool=pool,
+        launcher=parsed.launcher,
+        launcher_args=tuple(shlex.split(parsed.launcher_args)),
+        master_addr=parsed.master_addr if given_master else None,
+        master_port=int(port),
+        ssh_port=parsed.ssh_port,
+    )
+    return DeepSpeedLaunch(
+        nproc=None,
+        torchrun_args=log_args,
+        env={"PYTHONUNBUFFERED": "1"},
+        pass_local_rank=not parsed.no_local_rank,
+        no_effect=tuple(flag for flag in no_effect if flag != "--ssh_port"),
+        hosts=hosts_launch,
+    )
 
 
-def _read_hostfile(path: Path) -> dict[str, list[int]]:
-    if not path.is_file():
-        raise LaunchError(f"--hostfile {path}: no such file")
-    pool: dict[str, list[int]] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) != 2 or not parts[1].startswith("slots=") or not parts[1][6:].isdigit():
-            raise LaunchError(
-                f"--hostfile {path}, line {number}: expected 'hostname slots=N', got {raw!r}"
-            )
-        if parts[0] in pool:
-            raise LaunchError(f"--hostfile {path}: host {parts[0]} is listed twice")
-        pool[parts[0]] = list(range(int(parts[1][6:])))
-    if not pool:
-        raise LaunchError(f"--hostfile {path}: no hosts in it")
-    return pool
-
-
-def _parse_specs(text: str) -> dict[str, list[int]]:
-    """DeepSpeed's `host[:slot,slot][@host...]` -> host -> slots ([] for all of them)."""
-    specs: dict[str, list[int]] = {}
-    for node in text.split("@"):
-        host, _, slots = node.partition(":")
-        if not host:
-            raise LaunchError(f"--include/--exclude {text!r}: a host name is missing")
-        try:
-            specs[host] = [int(s) for s in slots.split(",")] if slots else []
-        except ValueError:
-            raise LaunchError(
-                f"--include/--exclude {text!r}: slots are numbers, as in localhost:0,2"
-            ) from None
-    return specs
-
-
-def _local_name(host: str, pool: dict[str, list[int]]) -> str:
-    """`host` as the pool names it (this machine answers to localhost and its own names)."""
-    if host in pool:
-        return host
-    if host in _this_machine() and len(pool) == 1:
-        return next(iter(pool))
-    raise LaunchError(f"--include/--exclude: host {host!r} is not among {sorted(pool)}")
-
-
-def _this_machine() -> set[str]:
-    names = {"localhost", "127.0.0.1", socket.gethostname()}
-    names.add(socket.gethostname().split(".")[0])
-    return names | ({os.environ["HOSTNAME"]} if "HOSTNAME" in os.environ else set())
-
-
-def _include(pool: dict[str, list[int]], text: str) -> dict[str, list[int]]:
-    chosen: dict[str, list[int]] = {}
-    for host, slots in _parse_specs(text).items():
-        name = _local_name(host, pool)
-        missing = sorted(set(slots) - set(pool[name]))
-        if missing:
-            raise LaunchError(f"--include: {host} has no slot {missing[0]} (slots {pool[name]})")
-        chosen[name] = slots or pool[name]
-    return chosen
-
-
-def _exclude(pool: dict[str, list[int]], text: str) -> dict[str, list[int]]:
-    kept = {host: list(slots) for host, slots in pool.items()}
-    for host, slots in _parse_specs(text).items():
-        name = _local_name(host, pool)
-        if not slots:
-            del kept[name]
-            continue
-        missing = sorted(set(slots) - set(pool[name]))
-        if missing:
-            raise LaunchError(f"--exclude: {host} has no slot {missing[0]} (slots {pool[name]})")
-        kept[name] = [s for s in kept[name] if s not in slots]
-    return kept
+def _other_launcher(launcher: str) -> str:
+    return (
+        f"--launcher {launcher}: zerodp run starts several hosts with pdsh (or ssh), srun "
+        "(--launcher slurm) or Open MPI's mpirun (--launcher openmpi); with another MPI, run "
+        "its launcher yourself, one process per rank (zerodp reads PMI_RANK and PMI_SIZE, "
+        "and MASTER_ADDR for rank 0's host), e.g. mpirun -np N -genv MASTER_ADDR=<first "
+        "host> python train.py [args]"
+    )

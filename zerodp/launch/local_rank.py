@@ -4,7 +4,8 @@
 `python -m zerodp.launch.local_rank --as script|module|exec TARGET ARGS...`, which
 puts `--local_rank=$LOCAL_RANK` in front of ARGS (scripts written for DeepSpeed
 parse it), sets DeepSpeed's `LOCAL_SIZE`, `CROSS_RANK` and `CROSS_SIZE` from
-torchrun's variables, and then runs TARGET as `python script.py`, `python -m
+torchrun's variables (srun's or mpirun's, read as `zerodp.initialize` reads them), and
+then runs TARGET as `python script.py`, `python -m
 module` or the executable itself would.
 """
 
@@ -15,11 +16,16 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from zerodp.comm.launch_env import adopt_launch_env
+
 MODES = ("script", "module", "exec")
 
 
 def deepspeed_environment() -> None:
-    """DeepSpeed's launcher variables, from torchrun's."""
+    """DeepSpeed's launcher variables, from torchrun's (written from srun's or mpirun's
+    first, when they started the process: `zerodp run --launcher slurm|openmpi`)."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        adopt_launch_env()
     local_size = os.environ.get("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_SIZE", local_size)
     os.environ.setdefault("CROSS_RANK", os.environ.get("GROUP_RANK", "0"))

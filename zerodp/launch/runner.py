@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
+import shlex
+import shutil
 import sys
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from zerodp.launch import deepspeed_flags
+from zerodp.launch import deepspeed_flags, multinode_runner, remote_env
+from zerodp.launch.torchrun_status import run_torchrun
 
 NPROC_KEYWORDS: tuple[str, ...] = ("auto", "cpu", "gpu", "xpu")
 """Non-numeric process counts torchrun resolves itself (per CPU or per device)."""
@@ -77,6 +80,14 @@ class RunPlan:
     torchrun_argv: tuple[str, ...]
     standalone_added: bool
     env: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostsPlan:
+    """What `zerodp run` starts on several hosts (`zerodp.launch.multinode_runner`)."""
+
+    hosts: multinode_runner.HostLaunch
     notes: tuple[str, ...] = ()
 
 
@@ -168,7 +179,7 @@ def _validated_nproc(value: str) -> str:
     return str(count)
 
 
-def plan_run(argv: Sequence[str]) -> RunPlan:
+def plan_run(argv: Sequence[str]) -> RunPlan | HostsPlan:
     """Split `zerodp run` arguments into zerodp's, torchrun's and the script's.
 
     Raises RunUsageError (a ValueError) for a missing script, a bad process
@@ -190,6 +201,8 @@ def plan_run(argv: Sequence[str]) -> RunPlan:
         raise RunUsageError(str(error)) from None
     wrapped = launch is not None and launch.pass_local_rank
     _, passthrough = _stripping_parser(wrapped).parse_known_args(prefix)
+    if launch is not None and launch.hosts is not None:
+        return _hosts_plan(parsed, launch, launch.hosts, passthrough, wrapped)
     given = parsed.nproc_per_node
     nproc = _validated_nproc(str(given or "1"))
     if launch is not None and launch.nproc is not None:
@@ -231,40 +244,116 @@ def plan_run(argv: Sequence[str]) -> RunPlan:
     )
 
 
-def exit_status_of(error: BaseException) -> int:
-    """The exit status to report for torchrun's ChildFailedError: the first failed rank's.
-
-    A rank killed by a signal shows a negative exit code in torchrun; shells
-    report that as 128 + signal number, and so does zerodp.
-    """
-    first_failure = getattr(error, "get_first_failure", None)
-    if first_failure is None:
-        return 1
-    _, failure = first_failure()
-    code = int(failure.exitcode)
-    if code < 0:
-        return 128 + (-code)
-    return code if code > 0 else 1
+# torchrun's rendezvous options, which the node agents write for each host themselves.
+_RENDEZVOUS_OPTIONS = (
+    ("--master-addr", "--master_addr"),
+    ("--master-port", "--master_port"),
+    ("--nnodes",),
+    ("--node-rank", "--node_rank"),
+    ("--rdzv-backend", "--rdzv_backend"),
+    ("--rdzv-endpoint", "--rdzv_endpoint"),
+    ("--rdzv-id", "--rdzv_id"),
+    ("--rdzv-conf", "--rdzv_conf"),
+)
 
 
-def launch(plan: RunPlan) -> int:
-    """Run torchrun in this process; return the script's exit status (0 when all ranks succeed)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+def _hosts_plan(
+    parsed: argparse.Namespace,
+    launch: deepspeed_flags.DeepSpeedLaunch,
+    several: deepspeed_flags.SeveralHosts,
+    passthrough: list[str],
+    wrapped: bool,
+) -> HostsPlan:
+    """A launch on several hosts: each host's torchrun arguments, or srun's / mpirun's."""
+    if parsed.nproc_per_node is not None:
+        raise RunUsageError(
+            "-n/--nproc-per-node with a hostfile: each host runs one process per slot of the "
+            "hostfile; choose them with --num_gpus, --include or --exclude"
+        )
+    stripper = _RaisingParser(add_help=False, allow_abbrev=False)
+    for names in _RENDEZVOUS_OPTIONS:
+        stripper.add_argument(*names, dest=names[0][2:].replace("-", "_"))
+    stripper.add_argument("--standalone", action="store_true")
+    stripped, rest = stripper.parse_known_args(passthrough)
+    chosen = [name for name, value in vars(stripped).items() if value not in (None, False)]
+    own = {"master_addr", "master_port"}
+    if set(chosen) - own:
+        raise RunUsageError(
+            f"--{', --'.join(sorted(set(chosen) - own))}: with a hostfile zerodp starts every "
+            "host and sets up its rendezvous; drop them (or start each host yourself with "
+            "--no_ssh --node_rank R, as with DeepSpeed)"
+        )
+    target = [parsed.training_script, *parsed.training_script_args]
+    direct = multinode_runner.direct_command(
+        (["-m", deepspeed_flags.LOCAL_RANK_MODULE, "--as", _mode(parsed), *target])
+        if wrapped
+        else target,
+        module=parsed.module and not wrapped,
+        no_python=parsed.no_python and not wrapped,
+    )
+    if wrapped:
+        target = ["-m", deepspeed_flags.LOCAL_RANK_MODULE, "--as", _mode(parsed), *target]
+    if several.launcher != "pdsh" and (rest or launch.torchrun_args):
+        raise RunUsageError(
+            f"--launcher {several.launcher} starts the script itself, without torchrun: its "
+            f"options {[*launch.torchrun_args, *rest]} have no place there"
+        )
+    try:
+        hosts = multinode_runner.HostLaunch(
+            several=several,
+            node_args=(*launch.torchrun_args, *rest, *target),
+            direct_command=tuple(direct),
+            exports=remote_env.exported_environment(extra=launch.env),
+            cwd=os.getcwd(),
+            run_id=uuid.uuid4().hex[:12],
+        )
+        _check_installed(hosts)
+    except deepspeed_flags.LaunchError as error:
+        raise RunUsageError(str(error)) from None
+    notes: tuple[str, ...] = ()
+    if launch.no_effect:
+        notes = (
+            f"zerodp run: {', '.join(launch.no_effect)} tune DeepSpeed's own launcher and "
+            "have no effect here",
+        )
+    return HostsPlan(hosts, notes)
 
+
+def _mode(parsed: argparse.Namespace) -> str:
+    return "module" if parsed.module else "exec" if parsed.no_python else "script"
+
+
+def _check_installed(hosts: multinode_runner.HostLaunch) -> None:
+    """srun and mpirun must be here; otherwise the error names the command to run."""
+    launcher = hosts.several.launcher
+    if launcher == "pdsh":
+        if not (shutil.which("pdsh") or shutil.which("ssh")):
+            raise deepspeed_flags.LaunchError(
+                "neither pdsh nor ssh is installed here: zerodp run reaches the other hosts "
+                "with one of them"
+            )
+        return
+    command = hosts.srun_command() if launcher == "slurm" else hosts.mpirun_command()
+    if shutil.which(command[0]) is None:
+        where = "a node of the SLURM allocation" if launcher == "slurm" else "where Open MPI is"
+        raise deepspeed_flags.LaunchError(
+            f"--launcher {launcher}: {command[0]} is not installed here; run this on {where}:"
+            f"\n  {shlex.join(command)}"
+        )
+
+
+def launch(plan: RunPlan | HostsPlan) -> int:
+    """Run the plan; return the script's exit status (0 when all ranks succeed): torchrun in
+    this process, or every host of a hostfile launch (`zerodp.launch.host_supervisor`)."""
     for note in plan.notes:
         print(note, file=sys.stderr, flush=True)
+    if isinstance(plan, HostsPlan):
+        from zerodp.launch.host_supervisor import launch_on_hosts
+
+        try:
+            return launch_on_hosts(plan.hosts)
+        except deepspeed_flags.LaunchError as error:
+            print(f"zerodp run: error: {error}", file=sys.stderr, flush=True)
+            return 1
     os.environ.update(plan.env)  # the workers inherit it
-    try:
-        torchrun_main(list(plan.torchrun_argv))
-    except ChildFailedError as error:
-        # torchrun's summary: which ranks failed, how, and the first failure (its root cause).
-        print(str(error).strip(), file=sys.stderr, flush=True)
-        return exit_status_of(error)
-    except SignalException as error:
-        # torchrun stopped the workers because this process was signalled.
-        return 128 + int(error.sigval)
-    except KeyboardInterrupt:
-        return 128 + int(signal.SIGINT)
-    return 0
+    return run_torchrun(plan.torchrun_argv)

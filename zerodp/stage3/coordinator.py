@@ -166,9 +166,11 @@ class ParamCoordinator:
 
     # -- backward ------------------------------------------------------------------
 
-    def begin_backward(self) -> None:
+    def begin_backward(self, reduces_across: bool = False) -> None:
+        """A backward starts; `reduces_across`: it ends an accumulation window, so its
+        reductions go on across shard groups (its collective order differs)."""
         if self.order is not None:
-            self.order.begin("backward")
+            self.order.begin("backward", "reducing across" if reduces_across else "")
         self.backward_trace.begin_pass()
         # What the forwards kept for a backward is this one's now: its end releases it.
         self.gatherer.forget_kept()

@@ -113,7 +113,7 @@ class GroupGatherer:
         if self.order is not None:
             # hpZ: which group the gather runs in is part of its place in the order.
             operation = "gather secondary" if gather.gathers_from_secondary else "gather"
-            self.order.note(operation, state.order)
+            self.order.note(operation, state.order, gather.next_gather_label)
         self.live_numel += gather.numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
         gather.to_inflight()

@@ -170,7 +170,11 @@ class Stage3Runtime:
             root, self.coordinator, self.module_groups, lifecycle
         ).install()
         self._handles: list[RemovableHandle] = [
-            lifecycle.on_prologue(lambda task: self.coordinator.begin_backward()),
+            lifecycle.on_prologue(
+                lambda task: self.coordinator.begin_backward(
+                    reducer is not None and reducer.window.task_reduces()
+                )
+            ),
             lifecycle.on_epilogue(lambda task: self.coordinator.end_backward()),
             lifecycle.on_abort(lambda task: self.coordinator.abort()),
         ]

@@ -7,6 +7,10 @@ in the test; a rank that does not answer in time (a hang in a collective)
 fails the test with a timeout, its stack is dumped to stderr, and the pool is
 torn down so the next test gets fresh processes. Functions must be
 importable (module-level) and their arguments and results picklable.
+
+A task (and the process group's set-up) that makes zerodp call an API its library
+deprecates fails with `DeprecationCausedError`, naming zerodp's line: the warning torch or
+transformers raises then is what a user's run would print (`zerodp.testing.caused_warnings`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from zerodp.testing.caused_warnings import deprecations_caused_by_zerodp, describe
+
 _GRACE_AFTER_FAILURE_S = 10.0
+
+
+class DeprecationCausedError(AssertionError):
+    """zerodp's code called an API that its library deprecates (the task's result is moot)."""
 
 
 def free_port() -> int:
@@ -55,7 +65,12 @@ def _worker_main(
     from zerodp.comm import ensure_process_group
 
     try:
-        ensure_process_group(timeout_s=None if os.environ.get("ZERODP_COMMS_TIMEOUT_S") else 600)
+        with deprecations_caused_by_zerodp(show_all=True) as caused:
+            ensure_process_group(
+                timeout_s=None if os.environ.get("ZERODP_COMMS_TIMEOUT_S") else 600
+            )
+        if caused:
+            raise DeprecationCausedError(describe(caused))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -72,10 +87,13 @@ def _worker_main(
         module_name, qualname, args, kwargs, timeout_s = task
         faulthandler.dump_traceback_later(max(1.0, timeout_s - 2.0), exit=False)
         try:
-            fn: Any = importlib.import_module(module_name)
-            for part in qualname.split("."):
-                fn = getattr(fn, part)
-            result = fn(*args, **kwargs)
+            with deprecations_caused_by_zerodp(show_all=True) as caused:
+                fn: Any = importlib.import_module(module_name)
+                for part in qualname.split("."):
+                    fn = getattr(fn, part)
+                result = fn(*args, **kwargs)
+            if caused:
+                raise DeprecationCausedError(describe(caused))
             results.put((rank, True, result))
         except BaseException:
             results.put((rank, False, f"rank {rank}:\n{traceback.format_exc()}"))

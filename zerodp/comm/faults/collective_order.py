@@ -68,6 +68,7 @@ class _Pass:
     seq: int = 0
     issued: list[Entry] = field(default_factory=list)  # every entry, once checked
     finished: bool = False
+    variant: str = ""  # passes of one kind whose orders differ by design keep one order each
 
     def __post_init__(self) -> None:
         if self.agreed is None:
@@ -123,7 +124,7 @@ class CollectiveOrder:
         # This check's pass notices; exit notices are the process's ([Note: failure notices]).
         self._failures = failure_notices.FailureBoard(self._store, self.rank, self.world_size)
         comm.failure_boards.append(self._failures)
-        self._logs: dict[str, list[Entry]] = {}
+        self._logs: dict[tuple[str, str], list[Entry]] = {}
         self._numbers: Counter[str] = Counter()
         self._passes: list[_Pass] = []
         self._last: dict[str, _Pass] = {}  # the last finished pass of each kind
@@ -142,30 +143,39 @@ class CollectiveOrder:
 
     # -- passes ----------------------------------------------------------------------
 
-    def begin(self, kind: str) -> None:
+    def begin(self, kind: str, variant: str = "") -> None:
+        """A pass of `kind` starts; it replays the agreed order of the last checked pass of
+        its kind and `variant` (a backward that reduces across shard groups issues more
+        than one that does not: each keeps its own, so neither sends the other back to
+        the store's check)."""
         self.raise_if_failed()
         if kind == "backward":  # one left by a task whose end never came (it raised)
             self._passes = [p for p in self._passes if p.kind != kind]
         number = self._numbers[kind]
         self._numbers[kind] += 1
-        self._passes.append(_Pass(kind, number, self._logs.get(kind)))
+        self._passes.append(_Pass(kind, number, self._logs.get((kind, variant)), variant=variant))
 
-    def note(self, operation: str, tag: int) -> None:
-        """A collective on group `tag` is about to be issued: check it first."""
+    def note(self, operation: str, tag: int, label: str = "world") -> None:
+        """A collective on group `tag` is about to be issued in the group labelled `label`:
+        check it first."""
         if not self._passes:
             return
         self.raise_if_failed()
-        # The ranks agree on what they do before this pass's store posts, as before its
-        # collectives ([Note: agreeing before a collective]).
-        self._agree_first(operation)
         current = self._passes[-1]
         entry = (operation, tag)
+        agreed = current.agreed or []
+        replayed = (
+            not current.checked and current.seq < len(agreed) and agreed[current.seq] == entry
+        )
+        # The ranks agree on what they do before this pass's store posts, as before its
+        # collectives ([Note: agreeing before a collective]): a replayed collective posts
+        # nothing, so it agrees as its own group's collective would.
+        self._agree_first(operation, label if replayed else "world")
+        if replayed:
+            current.seq += 1
+            self.num_replayed += 1
+            return
         if not current.checked:
-            agreed = current.agreed or []
-            if current.seq < len(agreed) and agreed[current.seq] == entry:
-                current.seq += 1
-                self.num_replayed += 1
-                return
             self._leave_agreed_order(current)
         self._agree(current, current.seq, entry)
         current.issued.append(entry)
@@ -182,7 +192,7 @@ class CollectiveOrder:
             self._leave_agreed_order(current)
         if current.checked:
             self._agree(current, current.seq, END)
-            self._logs[current.kind] = current.issued
+            self._logs[(current.kind, current.variant)] = current.issued
         self._passes.pop()
         current.finished = True
         self._last[current.kind] = current

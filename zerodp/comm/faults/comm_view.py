@@ -47,7 +47,7 @@ class WatchedComm(Protocol):
 
     on_stall: OnStall | None
 
-    def agree_first(self, kind: str) -> None:
+    def agree_first(self, kind: str, label: str | None = None) -> None:
         """Before a collective (`kind`): agree on this rank's activity with every rank, if it
         began one since ([Note: agreeing before a collective] in `zerodp.comm.agreement`)."""
 
@@ -72,6 +72,20 @@ class AgreeingComm(Protocol):
     @property
     def history(self) -> CollectiveHistory: ...
 
+    @property
+    def stats(self) -> Any:
+        """Its `CommStats` (the agreement's bytes are counted apart)."""
+
     on_stall: OnStall | None
 
-    def agree_first(self, kind: str) -> None: ...
+    def agree_first(self, kind: str, label: str | None = None) -> None: ...
+
+
+class AgreeingGroups(Protocol):
+    """The `GroupComms` of an engine as the agreement sees them: the dims (which groups a
+    shard group is), and the labels of the groups inside a shard group."""
+
+    @property
+    def dims(self) -> Any: ...
+
+    def inside_shard_group(self) -> Any: ...

@@ -62,6 +62,8 @@ class Activity(enum.Enum):
     FORWARD = "in a forward pass"
     BACKWARD = "in a backward pass"
     STEP = "in an optimizer step"
+    GATHERING = "gathering parameters (GatheredParameters)"
+    JOINING = "entering engine.join()"
 
 
 Position = Callable[[], tuple[int, int]]  # (optimizer steps taken, micro-steps taken)
