@@ -207,7 +207,7 @@ def _idle_grads_zero(model: nn.Module, split: ExpertSplit, idle: list[int]) -> b
 def _whole_equal(model: nn.Module, split: ExpertSplit, reference: nn.Module) -> bool:
     whole = dict(reference.named_parameters())
     return all(
-        torch.equal(split.whole_value(name, param.detach()), whole[name].detach())
+        torch.equal(split.whole_value_named(name, param.detach()), whole[name].detach())
         for name, param in model.named_parameters()
         if split.is_expert(param)
     )

@@ -188,12 +188,13 @@ def test_each_rank_keeps_its_experts_under_the_models_own_names() -> None:
             if record is None:
                 assert param is old[name] and not split.is_expert(param)
                 continue
-            assert split.is_expert(param) and param is not old[name]
-            assert old[name].numel() == 0  # the whole tensor's storage is freed
+            # The same parameter object keeps only this rank's experts (what holds it, an
+            # optimizer built before the split, still holds it).
+            assert split.is_expert(param) and param is old[name]
             assert record.global_shape == tuple(values[name].shape)
             expected = values[name][2 * rank : 2 * rank + 2]
             assert torch.equal(param.detach(), expected) and param.requires_grad
-            assert torch.equal(split.local_part(name, values[name]), expected)
+            assert torch.equal(split.local_part_named(name, values[name]), expected)
         for experts in experts_of(model):
             assert experts.num_experts == 2
             assert type(experts).__name__ == "ExpertParallelGptOssExperts"

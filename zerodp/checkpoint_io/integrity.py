@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from zerodp.checkpoint_io.safe_metadata import read_metadata
@@ -47,10 +46,10 @@ def check_files(path: Path, metadata: Metadata) -> None:
         raise CheckpointError(f"checkpoint '{path}' is incomplete: " + "; ".join(problems))
 
 
-def check_model(module: nn.Module, shared: dict[str, Any]) -> None:
-    """The checkpoint is for this model: same parameter names and shapes."""
+def check_model(current: dict[str, list[int]], shared: dict[str, Any]) -> None:
+    """The checkpoint is for this model: same parameter names and shapes (`current`, as
+    `CheckpointSubject.recorded_shapes` gives them: whole shapes of expert slices)."""
     saved = shared.get("params", {})
-    current = {name: list(p.shape) for name, p in module.named_parameters()}
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
     mismatched = [

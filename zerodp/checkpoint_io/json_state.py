@@ -28,8 +28,9 @@ FORMAT_VERSION = 2  # 2: checksums.json, kept gradients of a window
 
 def shared_state(subject: CheckpointSubject, client_json: Any) -> dict[str, Any]:
     module = subject.module
+    shapes = subject.recorded_shapes()
     params = {
-        name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+        name: {"shape": shapes[name], "dtype": str(p.dtype).removeprefix("torch.")}
         for name, p in module.named_parameters()
     }
     first_name = {id(p): name for name, p in module.named_parameters()}

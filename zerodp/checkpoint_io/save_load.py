@@ -152,7 +152,7 @@ def load_checkpoint(
         metadata = read_metadata(path)
         integrity.check_files(path, metadata)
         tensor_slices.check_matches(subject, shared)
-        integrity.check_model(subject.module, shared)
+        integrity.check_model(subject.recorded_shapes(), shared)
         saved = integrity.saved_keys(metadata)
         if manifest is not None:
             chunks = checksums.chunks_by_file(metadata)

@@ -91,8 +91,22 @@ class CheckpointSubject:
     dims: ParallelDims = field(kw_only=True)
     tensor_slices: Mapping[str, int] = field(default_factory=dict)
     # With expert parallelism, every name (tied ones too) of a parameter that is an expert
-    # slice (this rank's experts, along dim 0).
-    expert_slices: frozenset[str] = frozenset()
+    # slice (this rank's experts, along dim 0) -> the whole tensor's shape: a checkpoint
+    # records whole shapes, so it loads at any E.
+    expert_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def expert_slices(self) -> frozenset[str]:
+        return frozenset(self.expert_shapes)
+
+    def recorded_shapes(self) -> dict[str, list[int]]:
+        """Each parameter's shape as a checkpoint records it: an expert slice's whole shape
+        (any E reads the same tensor), a tensor-parallel slice's own (the record of T says
+        how many there are)."""
+        return {
+            name: list(self.expert_shapes.get(name, tuple(p.shape)))
+            for name, p in self.module.named_parameters()
+        }
 
     def slicing_of(self, name: str) -> Slicing:
         """Whether the parameter `name` is whole or a tensor or expert slice."""

@@ -178,7 +178,9 @@ class CheckpointMethods:
                 if self.tensor_parallel is None
                 else {n: s.dim for n, s in self.tensor_parallel.split.names(self.module).items()}
             ),
-            expert_slices=(
-                frozenset() if self.expert_parallel is None else self.expert_parallel.names
+            expert_shapes=(
+                {}
+                if self.expert_parallel is None
+                else {n: r.global_shape for n, r in self.expert_parallel.tensors.items()}
             ),
         )

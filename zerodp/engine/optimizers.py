@@ -23,7 +23,13 @@ from zerodp.optim.schedulers import build_scheduler
 from zerodp.optim.sharded_optimizer import ZeroOptimizer
 from zerodp.optim.strategy import StageStrategy
 from zerodp.optim.tensorwise import GroupLayout, OwnerPlacement, TensorwiseStep, build_plan
-from zerodp.optim.torch_optimizers import OptimizerSource, TorchOptimizers, build_torch_optimizers
+from zerodp.optim.torch_optimizers import (
+    OptimizerSource,
+    TorchOptimizers,
+    WholeTensorStepRefusedError,
+    build_torch_optimizers,
+)
+from zerodp.parallel.composition import Feature, refusal_for
 from zerodp.posttrain.mode import InferenceOptimizer, ModeDecision, refusal_message
 from zerodp.precision.loss_scaler import LossScaler
 from zerodp.train_state import TrainState
@@ -58,6 +64,9 @@ def build_optimizer(
     lr_scheduler: Any,
 ) -> OptimizerBuild:
     def make_tensorwise(states: list[GroupState]) -> TensorwiseStep:
+        refused = refusal_for(Feature.WHOLE_TENSOR_OPTIMIZERS, comms.dims)
+        if refused is not None:  # every rank alike: the dims and the optimizer are shared
+            raise WholeTensorStepRefusedError(refused)
         return tensorwise_step(states, config, comms.shard, device, step_shapes)
 
     torch_optimizers = torch_optimizers_for(

@@ -77,11 +77,16 @@ class ExpertSplit:
         """The record of the expert tensor named `name` (None: not an expert tensor)."""
         return self.tensors.get(name)
 
-    def whole_value(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The whole tensor of which `local` is this rank's slice of expert tensor `name`:
-        every rank's slice gathered along dim 0, in expert order (a collective over the EP
-        group: every rank calls it, for the same names in the same order). A name that is
-        not an expert tensor is returned as it is, without communication."""
+    def whole_value(self, param: Any, local: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of which `local` is this rank's slice of expert tensor `param`
+        (a parameter of the split model): every rank's slice gathered along dim 0, in expert
+        order (a collective over the EP group: every rank calls it, for the same tensors in
+        the same order). Any other tensor is returned as it is, without communication."""
+        found = self._by_param.get(param) if isinstance(param, nn.Parameter) else None
+        return local if found is None else self.whole_value_named(found.name, local)
+
+    def whole_value_named(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`whole_value` of the expert tensor named `name` (any other name: `local`)."""
         found = self.tensors.get(name)
         if found is None:
             return local
@@ -91,9 +96,19 @@ class ExpertSplit:
         self.group.comm.all_gather(whole.view(-1), local.view(-1))
         return whole
 
-    def local_part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of `whole`, a whole value of expert tensor `name` (no
-        communication; a name that is not an expert tensor is returned as it is)."""
+    def whole_shape(self, param: Any) -> tuple[int, ...] | None:
+        """The whole shape of expert tensor `param` (None: not an expert tensor)."""
+        found = self._by_param.get(param) if isinstance(param, nn.Parameter) else None
+        return None if found is None else found.global_shape
+
+    def local_part(self, param: Any, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of `whole`, a whole value of expert tensor `param` (no
+        communication; any other tensor's value is returned as it is)."""
+        found = self._by_param.get(param) if isinstance(param, nn.Parameter) else None
+        return whole if found is None else self.local_part_named(found.name, whole)
+
+    def local_part_named(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """`local_part` of the expert tensor named `name` (any other name: `whole`)."""
         found = self.tensors.get(name)
         if found is None:
             return whole

@@ -10,10 +10,10 @@ collective):
 - an expert tensor is not shared with a module that is not an experts module
   (tied weights would be split in one place and whole in another).
 
-Then, on each rank at place e of the group, every expert tensor becomes a new
-`nn.Parameter` holding experts [e * n, (e + 1) * n) (a copy of that slice, the
-same dtype, device and `requires_grad`), set under the same name(s), and the old
-whole tensor's storage is freed; each experts module keeps n as its expert
+Then, on each rank at place e of the group, every expert tensor keeps experts
+[e * n, (e + 1) * n) only (a copy of that slice in the same parameter object, so
+whatever holds the parameter, an optimizer built before `initialize` included,
+still holds it; the whole tensor's storage is freed); each experts module keeps n as its expert
 count and takes its `ExpertParallel` class (`zerodp.expert_parallel.layers`).
 The parameter names stay the model's own: checkpoints and `from_pretrained`
 read the whole tensors under them (`ExpertSplit.whole_value`). The model must be
@@ -113,7 +113,7 @@ def _apply(experts: list[ExpertsModule], owners: Owners, group: ExpertGroup) -> 
     modules: dict[str, ExpertSlice] = {}
     tensors: dict[str, ExpertTensor] = {}
     by_param: dict[nn.Parameter, ExpertTensor] = {}
-    done: dict[nn.Parameter, nn.Parameter] = {}  # whole -> its slice, for tied tensors
+    done: set[nn.Parameter] = set()  # split already (a tied tensor is split once)
     for found in experts:
         local = found.num_experts // group.size
         held = ExpertSlice(found.num_experts, local, group.rank * local)
@@ -122,25 +122,23 @@ def _apply(experts: list[ExpertsModule], owners: Owners, group: ExpertGroup) -> 
             whole = found.module._parameters[attribute]
             if whole is None:  # pragma: no cover - found only among present parameters
                 raise RuntimeError(f"internal error: '{found.name}.{attribute}' vanished")
+            if whole in done:
+                continue
             record = ExpertTensor(f"{found.name}.{attribute}", tuple(whole.shape), held)
-            part = done.get(whole)
-            if part is None:
-                part = _sliced(whole, held) if group.size > 1 else whole
-                done[whole] = part
-                by_param[part] = record
-                for owner_name, owner, owner_attribute in owners[whole]:
-                    owner._parameters[owner_attribute] = part
-                    name = f"{owner_name}.{owner_attribute}" if owner_name else owner_attribute
-                    tensors[name] = record
+            done.add(whole)
+            by_param[whole] = record
+            if group.size > 1:
+                _keep_slice(whole, held)
+            for owner_name, _owner, owner_attribute in owners[whole]:
+                name = f"{owner_name}.{owner_attribute}" if owner_name else owner_attribute
+                tensors[name] = record
         if group.size > 1:
             make_expert_parallel(found.module, group, held, found.count_attribute, found.tensors)
-    if group.size > 1:
-        for whole in done:
-            whole.data = torch.empty(0, dtype=whole.dtype, device=whole.device)
     return ExpertSplit(group, modules, tensors, by_param)
 
 
-def _sliced(whole: nn.Parameter, held: ExpertSlice) -> nn.Parameter:
-    """A new parameter holding `held`'s experts of `whole` (a copy: the whole one is freed)."""
-    part = whole.detach().narrow(0, held.first_expert, held.local_experts).clone()
-    return nn.Parameter(part, requires_grad=whole.requires_grad)
+def _keep_slice(whole: nn.Parameter, held: ExpertSlice) -> None:
+    """`whole` keeps `held`'s experts only, in place: the same parameter object, so an
+    optimizer or anything else built on the model's parameters before the split still holds
+    it (a copy of the slice: the whole tensor's storage is freed)."""
+    whole.data = whole.data.narrow(0, held.first_expert, held.local_experts).clone()

@@ -36,8 +36,8 @@ from zerodp.errors import CheckpointError
 from zerodp.full_state.gathered_parameters import GatheredParameters
 from zerodp.full_state.param_managers import manager_of, manager_of_module
 from zerodp.group_state import GroupState
+from zerodp.partition.slicing import SliceRecord, local_part, whole_shape, whole_value
 from zerodp.stage3 import zero_parameter
-from zerodp.tensor_parallel import TensorSplit
 
 
 def full_state_dict(
@@ -81,20 +81,26 @@ def full_state_dict(
     return result if keep else {}
 
 
-def _split_of(manager: Any) -> TensorSplit | None:
-    tensor = getattr(manager, "tensor_parallel", None) if manager is not None else None
-    return None if tensor is None else tensor.split
+def _split_of(manager: Any) -> list[SliceRecord] | None:
+    """The records of the manager's tensor- and expert-parallel slices (None: neither)."""
+    if manager is None:
+        return None
+    tensor = getattr(manager, "tensor_parallel", None)
+    records: list[SliceRecord] = [] if tensor is None else [tensor.split]
+    experts = getattr(manager, "expert_parallel", None)
+    if experts is not None:
+        records.append(experts)
+    return records or None
 
 
-def _whole_shape(split: TensorSplit | None, tensor: torch.Tensor) -> tuple[int, ...]:
-    found = None if split is None else split.split_of(tensor)
-    return tuple(tensor.shape) if found is None else found.full_shape
+def _whole_shape(split: list[SliceRecord] | None, tensor: torch.Tensor) -> tuple[int, ...]:
+    return whole_shape(split or [], tensor, tuple(tensor.shape))
 
 
-def _whole(split: TensorSplit | None, param: Any, local: torch.Tensor) -> torch.Tensor:
-    """`local`, or the whole tensor of which it is this rank's tensor-parallel slice (a
-    collective over the tensor group)."""
-    return local if split is None else split.whole_value(param, local)
+def _whole(split: list[SliceRecord] | None, param: Any, local: torch.Tensor) -> torch.Tensor:
+    """`local`, or the whole tensor of which it is this rank's tensor- or expert-parallel
+    slice (a collective over that slice's group)."""
+    return local if split is None else whole_value(split, param, local)
 
 
 # -- saving, streamed ----------------------------------------------------------------------
@@ -331,7 +337,7 @@ def load_state_dict(module: nn.Module, source: Any, strict: bool = True) -> None
                 f"'{name}' has shape {tuple(value.shape)} in the weights, {expected} in the model"
             )
         if split is not None:
-            value = split.local_part(target, value)
+            value = local_part(split, target, value)
         found = _group_of(target) if isinstance(target, nn.Parameter) else None
         if found is not None:
             found[0].write_param(found[1], value)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zerodp.errors import ConfigError
 from zerodp.group_state import GroupState
 from zerodp.optim.tensorwise import TensorwiseStep, UpdatePath, update_path
 from zerodp.torch_internals import init_optimizer_hook_dicts
@@ -74,6 +75,11 @@ class TorchOptimizers:
         return [p.optimizer for p in self.members if p.path is UpdatePath.TENSORWISE]
 
 
+class WholeTensorStepRefusedError(ConfigError):
+    """The run's parallel dimensions take no whole-tensor step (the composition table): raised
+    by the `make_tensorwise` a caller passes, so that a factory is probed on flat shards."""
+
+
 def build_torch_optimizers(
     sources: Sequence[OptimizerSource],
     options: Sequence[dict[str, Any]],
@@ -90,15 +96,23 @@ def build_torch_optimizers(
     tensorwise: TensorwiseStep | None = None
     if any(path is None for path in paths):  # a factory: offered whole tensors first
         (source,) = sources
-        tensorwise = make_tensorwise(states)
-        probe = _from_factory(
-            source, _groups(source, options, tensorwise.param_groups(len(options)))
-        )
-        if update_path(type(probe)) is UpdatePath.TENSORWISE:
-            member = GroupOptimizer(probe, UpdatePath.TENSORWISE, states)
-            return TorchOptimizers([member], probe, tensorwise)
-        tensorwise = None
-        paths = [UpdatePath.ELEMENTWISE]
+        try:
+            tensorwise = make_tensorwise(states)
+        except WholeTensorStepRefusedError as refused:  # the run's dims take no whole-tensor step
+            flat = _flat_params(states, len(options))
+            probe = _from_factory(source, _groups(source, options, flat))
+            if update_path(type(probe)) is UpdatePath.TENSORWISE:
+                raise refused from None
+            paths = [UpdatePath.ELEMENTWISE]
+        else:
+            probe = _from_factory(
+                source, _groups(source, options, tensorwise.param_groups(len(options)))
+            )
+            if update_path(type(probe)) is UpdatePath.TENSORWISE:
+                member = GroupOptimizer(probe, UpdatePath.TENSORWISE, states)
+                return TorchOptimizers([member], probe, tensorwise)
+            tensorwise = None
+            paths = [UpdatePath.ELEMENTWISE]
     whole = [s for s, p in zip(sources, paths, strict=True) if p is UpdatePath.TENSORWISE]
     whole_states = [s for s in states if any(s.flat.param_group_index in w.groups for w in whole)]
     if whole_states:

@@ -121,6 +121,13 @@ class Feature(enum.Enum):
         "engine.full_parameters(merge_adapters=True)",
         "stream without merging",
     )
+    ROUTER_AUX_LOSS = (
+        "a mixture-of-experts model's auxiliary load-balancing loss, computed per rank over its "
+        "slice of each sequence",
+        "",
+        "output_router_logits=True",
+        "set output_router_logits to false (in the model's config or the forward's arguments)",
+    )
     LIGHTNING = (
         "Lightning's ZeroDPStrategy (its loaders shard by process, not by data rank)",
         "",
@@ -226,6 +233,11 @@ TABLE: Mapping[Feature, Mapping[Dimension, Cell]] = {
         Dimension.SEQUENCE: composes("tests/distributed/test_posttrain_weights.py"),
         Dimension.TENSOR: refused("the adapters are not split as the slices are"),
         Dimension.EXPERT: refused("adapters on split experts are not merged yet"),
+    },
+    Feature.ROUTER_AUX_LOSS: {
+        Dimension.SEQUENCE: refused("its token counts and router means span the whole sequence"),
+        Dimension.TENSOR: refused("not tested yet with tensor parallelism"),
+        Dimension.EXPERT: composes(_EXPERT_TESTS),
     },
     Feature.LIGHTNING: {
         Dimension.SEQUENCE: refused("a sequence group would get different batches"),

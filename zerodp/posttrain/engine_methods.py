@@ -16,6 +16,7 @@ from torch import nn
 from zerodp.comm import Comm
 from zerodp.comm.subgroups import GroupComms
 from zerodp.errors import UsageError
+from zerodp.expert_parallel import ExpertSplit
 from zerodp.group_state import GroupIndex
 from zerodp.parallel.composition import Feature, refusal_for
 from zerodp.posttrain import PostTraining
@@ -39,6 +40,7 @@ class PostTrainingMethods:
     device: torch.device
     posttrain: PostTraining
     tensor_parallel: TensorParallelism | None
+    expert_parallel: ExpertSplit | None
 
     @property
     def mode(self) -> EngineMode:
@@ -102,7 +104,14 @@ class PostTrainingMethods:
             dtype=dtype,
             merge_adapters=merge_adapters,
             device=self.device,
-            split=None if self.tensor_parallel is None else self.tensor_parallel.split,
+            slices=[
+                record
+                for record in (
+                    None if self.tensor_parallel is None else self.tensor_parallel.split,
+                    self.expert_parallel,
+                )
+                if record is not None
+            ],
         )
 
     def offload_states(

@@ -25,7 +25,7 @@ Iterating is a collective: every rank iterates to the end.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +34,10 @@ from torch import nn
 from zerodp.comm import Comm, Handle
 from zerodp.errors import UsageError
 from zerodp.group_state import GroupIndex, GroupState
+from zerodp.partition.slicing import SliceRecord, whole_value
 from zerodp.posttrain.holding import held, sharded_groups_of
 from zerodp.posttrain.peft_merge import LoraMerge, MergedNames
 from zerodp.stage3.gatherer import GroupGatherer
-from zerodp.tensor_parallel import TensorSplit
 from zerodp.torch_internals import PlainTensorOps
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
@@ -76,7 +76,7 @@ class FullParameterStream:
         dtype: torch.dtype | None,
         merge_adapters: bool,
         device: torch.device,
-        split: TensorSplit | None = None,
+        slices: Sequence[SliceRecord] = (),
     ) -> None:
         if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1:
             raise UsageError(
@@ -84,10 +84,10 @@ class FullParameterStream:
             )
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise UsageError(f"full_parameters: dtype must be a torch.dtype or None, got {dtype!r}")
-        if merge_adapters and split is not None:  # pragma: no cover - refused by the table
-            raise RuntimeError("internal error: merging adapters into tensor-parallel slices")
+        if merge_adapters and slices:  # pragma: no cover - refused by the composition table
+            raise RuntimeError("internal error: merging adapters into slices")
         self.index = index
-        self.split = split  # tensor-parallel slices are gathered whole
+        self.slices = list(slices)  # tensor- and expert-parallel slices are gathered whole
         self.comm = comm
         self.gatherer = gatherer
         self.dtype = dtype
@@ -128,8 +128,8 @@ class FullParameterStream:
         out = []
         for entry in bucket:
             value = values[id(entry)]
-            if self.split is not None:  # a collective over the tensor group, in bucket order
-                value = self.split.whole_value(entry.tensor, value)
+            if self.slices:  # a collective over the slice's group, in bucket order
+                value = whole_value(self.slices, entry.tensor, value)
             if entry.merge is not None:
                 self._merge(entry.merge, value)
             if self.dtype is not None and value.dtype != self.dtype and value.is_floating_point():

@@ -117,6 +117,11 @@ class TensorSplit:
             return local
         return gather_whole(local, self.group, found.dim)
 
+    def whole_shape(self, param: Any) -> tuple[int, ...] | None:
+        """The whole shape of a split parameter (None: the plan leaves it whole)."""
+        found = self.split_of(param)
+        return None if found is None else found.full_shape
+
     def local_part(self, param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
         """This rank's slice of `whole`, a whole value of `param` (no communication)."""
         found = self.split_of(param)
