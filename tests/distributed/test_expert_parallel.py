@@ -128,3 +128,14 @@ def test_the_hf_trainer_with_experts_split_matches_its_single_process_run(
     for mine, theirs in zip(got["logs"], logs, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-6), (mine, theirs)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (mine, theirs)
+
+
+def moe_example() -> dict[str, float]:
+    from examples import train_moe
+
+    return train_moe.main(["--steps", "2"])
+
+
+def test_the_moe_example_runs_and_matches_one_process(pools: Any) -> None:
+    for result in pools(2).run(moe_example):
+        assert result["worst"] <= 1e-5, result
