@@ -5,8 +5,11 @@ process on the same data (tests/expert_setup.py): every micro-batch's loss, each
 global grad norm and every weight after 3 steps, fp32 within 1e-5, at ZeRO stages 0-3, with
 accumulation, clipping, AdamW and SGD (SGD moves the weights by the gradient itself, so a
 scale error in the experts' reduction shows). World 2 at E=2 on Qwen3-MoE and Mixtral, with
-the auxiliary load-balancing loss in the loss, and with half the experts given no token (on
-rank 1 every expert it holds is idle at first); world 4 at E=2 x D=2, E=4, and E=2 x S=2
+the auxiliary load-balancing loss in the loss, with half the experts given no token (on
+rank 1 every expert it holds is idle at first), in bf16 (against the same recipe in one
+process: a bf16 model, fp32 master weights), with activation checkpointing (the dispatch
+runs again in backward), and with each micro-batch's backward run twice on a retained graph
+(both all-to-alls' backwards run twice); world 4 at E=2 x D=2, E=4, and E=2 x S=2
 (the same ranks split the sequences and hold the experts). Checkpoints saved at E=2 resume
 without expert parallelism and at another number of data ranks.
 """
@@ -27,6 +30,8 @@ from tests.expert_setup import (
     resume,
     run_cases,
     save_after,
+    sft_single_process,
+    sft_with_experts,
     trainer_with_experts,
 )
 
@@ -43,6 +48,11 @@ WORLD_2 = [
     Case(0, model="mixtral", optimizer="adamw", clip=0.05),
     Case(2, model="mixtral", gas=2, aux=True),
     Case(3, model="mixtral"),
+    Case(3, bf16=True),
+    Case(1, bf16=True, gas=2),
+    Case(3, checkpointing=True, gas=2, aux=True),
+    Case(2, retained=True, optimizer="adamw"),
+    Case(3, retained=True),
 ]
 WORLD_4 = [
     Case(2, gas=2, optimizer="adamw", aux=True),  # E=2 x D=2: two EP groups
@@ -139,3 +149,17 @@ def moe_example() -> dict[str, float]:
 def test_the_moe_example_runs_and_matches_one_process(pools: Any) -> None:
     for result in pools(2).run(moe_example):
         assert result["worst"] <= 1e-5, result
+
+
+def test_trls_sft_trainer_with_experts_split_matches_single_process_trl(
+    pools: Any, tmp_path: Path
+) -> None:
+    """`with_zerodp(trl.SFTTrainer)` at stage 3 with E=2 on 2 ranks against TRL's own
+    SFTTrainer in one process on the same batches (fp32; the auxiliary loss off, see
+    `sft_trainer`)."""
+    pytest.importorskip("trl")
+    got = pools(2).run(sft_with_experts, str(tmp_path / "zerodp"), 2)[0]
+    expected, losses = sft_single_process(str(tmp_path / "plain"), 2)
+    for name, value in expected.items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert got["losses"] == pytest.approx(losses, rel=1e-6), (got["losses"], losses)
