@@ -57,6 +57,8 @@ class Case:
     bf16: bool = False  # a bf16 model with fp32 master weights (with SGD)
     checkpointing: bool = False  # transformers' activation checkpointing on both models
     retained: bool = False  # each micro-batch's backward runs twice on a retained graph
+    # Keys naming the experts modules in the config instead of the model's own plan.
+    experts_named: tuple[tuple[str, Any], ...] = ()
 
     def config(self) -> dict[str, Any]:
         optimizer = {
@@ -77,7 +79,11 @@ class Case:
                 "reduce_bucket_size": 2000,
                 "stage3_param_persistence_threshold": 50,
             },
-            "expert_parallel": {"enabled": self.expert > 1, "autoep_size": self.expert},
+            "expert_parallel": {
+                "enabled": self.expert > 1,
+                "autoep_size": self.expert,
+                **dict(self.experts_named),
+            },
             "bf16": {"enabled": self.bf16},
             "steps_per_print": 1000,
         }

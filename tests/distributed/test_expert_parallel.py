@@ -53,6 +53,13 @@ WORLD_2 = [
     Case(3, checkpointing=True, gas=2, aux=True),
     Case(2, retained=True, optimizer="adamw"),
     Case(3, retained=True),
+    # The experts named by the config: zerodp's patterns, and DeepSpeed's regular expression.
+    Case(2, experts_named=(("plan", ["model.layers.*.mlp.experts"]),)),
+    Case(
+        1,
+        model="mixtral",
+        experts_named=(("moe_layer_pattern", r"model\.layers\.\d+\.mlp"),),
+    ),
 ]
 WORLD_4 = [
     Case(2, gas=2, optimizer="adamw", aux=True),  # E=2 x D=2: two EP groups
