@@ -13,9 +13,11 @@ parts make it up (`TensorSlices.cover`, the saved cut from the saved dims, this 
 from its own), has DCP read just those rows into host buffers, and cuts its piece out of
 them. The same holds for values saved per rank (a window's local sums, each of one saved
 part): the pieces are read from every rank that holds a part and combined as the saved
-dims say (`ParallelDims.window_sum_sources`). No rank reads a whole weight unless it
-holds one; the reads go in rounds of at most `ROUND_BYTES` of saved values, so the host
-buffers stay bounded whatever the model's size. Every rank runs the same rounds (they
+dims say (`ParallelDims.window_sum_sources`). A rank reads the rows its pieces span, of
+the saved parts its slice overlaps: what it holds, or up to T'/T times that where a saved
+part is wider than its slice (T' > T), plus the rest of a row a shard starts or ends in.
+The reads go in rounds of at most `ROUND_BYTES` of saved values, so the host buffers
+stay bounded whatever the model's size. Every rank runs the same rounds (they
 follow the parameters' order and the saved sizes), so DCP's collectives match.
 """
 
