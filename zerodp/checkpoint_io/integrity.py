@@ -9,7 +9,6 @@ inside DCP's collectives.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -46,16 +45,15 @@ def check_files(path: Path, metadata: Metadata) -> None:
         raise CheckpointError(f"checkpoint '{path}' is incomplete: " + "; ".join(problems))
 
 
-def check_model(current: dict[str, list[int]], shared: dict[str, Any]) -> None:
-    """The checkpoint is for this model: same parameter names and shapes (`current`, as
-    `CheckpointSubject.recorded_shapes` gives them: whole shapes of expert slices)."""
-    saved = shared.get("params", {})
+def check_model(current: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint is for this model: the same parameter names and whole shapes (a
+    tensor-parallel slice counted as the weight it is cut from)."""
     missing = sorted(set(current) - set(saved))
     unexpected = sorted(set(saved) - set(current))
     mismatched = [
-        f"{name}: checkpoint {saved[name]['shape']} vs model {shape}"
+        f"{name}: checkpoint {list(saved[name])} vs model {list(shape)}"
         for name, shape in current.items()
-        if name in saved and saved[name]["shape"] != shape
+        if name in saved and tuple(saved[name]) != tuple(shape)
     ]
     if missing or unexpected or mismatched:
         parts = []

@@ -33,6 +33,7 @@ from zerodp.checkpoint_io import (
     integrity,
     json_state,
     schema,
+    tensor_relayout,
     tensor_slices,
     tensors,
     window_gradients,
@@ -136,6 +137,7 @@ def load_checkpoint(
     wanted: dict[str, Any] = {}
     planned: destinations.PlannedState = {}
     grads = window_gradients.GradientLoad()
+    relayout = tensor_relayout.Relayout({}, {})
     rank_json: dict[str, Any] | None = None
     metadata: Any = None
     try:
@@ -151,9 +153,9 @@ def load_checkpoint(
         schema.check_shared_state(shared)
         metadata = read_metadata(path)
         integrity.check_files(path, metadata)
-        tensor_slices.check_matches(subject, shared)
-        integrity.check_model(subject.recorded_shapes(), shared)
+        cuts = tensor_slices.cuts(subject, shared)  # this model, at this or another T
         saved = integrity.saved_keys(metadata)
+        relayout = tensor_relayout.Relayout(cuts, saved)
         if manifest is not None:
             chunks = checksums.chunks_by_file(metadata)
             for name in checksums.my_share(chunks, comm.rank, comm.world_size):
@@ -169,23 +171,17 @@ def load_checkpoint(
         wanted.update(destinations.fresh_tensors(saved, f"rng.rank{comm.rank}."))
         wanted.update(destinations.fresh_tensors(saved, "client."))
         if not options.load_module_only:
-            grads = window_gradients.plan_load(subject, shared, saved, with_optimizer)
+            grads = window_gradients.plan_load(subject, shared, saved, with_optimizer, relayout)
             wanted.update(grads.destinations)
             json_state.counters_to_load(shared, subject.accumulation_steps)  # a resize fits
+        relayout.take_from(wanted)  # [Note: another tensor-parallel degree]
         destinations.check_kinds(wanted, saved, metadata)
     except _FAILURES as caught:
         error = caught if isinstance(caught, ZeroDPError) else _unexpected(caught, path)
     comm.raise_if_any_failed(error)  # nothing has been changed yet, on any rank
 
     destinations.attach_planned_state(subject, planned)
-    error = None
-    try:
-        with quiet_sharded_tensor_warnings():
-            reader = SafeReader(path, metadata)
-            dcp.load(wanted, storage_reader=reader, process_group=comm.group)
-    except _FAILURES as caught:
-        error = CheckpointError(f"reading checkpoint '{path}' failed: {root_cause(caught)}")
-    comm.raise_if_any_failed(error)
+    _read_tensors(comm, path, metadata, wanted, relayout)
 
     subject.after_load()
     if not options.load_module_only:
@@ -216,6 +212,26 @@ def load_checkpoint(
         else _left_as_they_were(subject, shared, options.load_lr_scheduler_states)
     )
     return str(path), from_jsonable(shared.get("client_state"), client), left
+
+
+def _read_tensors(
+    comm: Comm,
+    path: Path,
+    metadata: Any,
+    wanted: dict[str, Any],
+    relayout: tensor_relayout.Relayout,
+) -> None:
+    """DCP reads `wanted` in place, then the parameters cut otherwise than saved (another
+    T: [Note: another tensor-parallel degree]); a failure is agreed on every rank."""
+    error = None
+    try:
+        with quiet_sharded_tensor_warnings():
+            reader = SafeReader(path, metadata)
+            dcp.load(wanted, storage_reader=reader, process_group=comm.group)
+    except _FAILURES as caught:
+        error = CheckpointError(f"reading checkpoint '{path}' failed: {root_cause(caught)}")
+    comm.raise_if_any_failed(error)
+    relayout.read(comm, lambda: SafeReader(path, metadata), f"checkpoint '{path}'")
 
 
 def _has_random_states(shared: dict[str, Any]) -> bool:

@@ -98,6 +98,7 @@ def _fixed_at_the_call(
     tensor_slices.check_can_save(subject)
     shared = json_state.shared_state(subject, client_json)
     shared["gradients"] = window_gradients.describe(subject)
+    shared[tensor_slices.DIMS] = subject.dims.to_record()  # how saved parts combine at a load
     tp = tensor_slices.describe(subject)
     if tp is not None:
         shared[tensor_slices.KEY] = tp

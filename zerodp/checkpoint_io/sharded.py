@@ -96,6 +96,58 @@ def sharded_1d(
             if local is None or local.numel() != piece.length:
                 raise RuntimeError("internal error: local chunk does not match the layout")
             local_shards.append(Shard(tensor=local, metadata=metadata))
+    return _from_local(local_shards, shards_metadata, numel, dtype)
+
+
+def reading_1d(
+    numel: int, local: list[tuple[int, torch.Tensor]], dtype: torch.dtype
+) -> ShardedTensor:
+    """A 1-D tensor of `numel` values of which this rank reads the ranges `local` (start, 1-D
+    buffer on the host; disjoint) into those buffers, whatever ranks wrote them.
+
+    DCP reads only a ShardedTensor's local shards, but its metadata must cover the tensor
+    without overlap: the ranges no buffer asks for are described as the next rank's (it
+    reads its own description, not this one); a single rank reads them into throwaway
+    buffers (it asks for nearly everything anyway: it holds every slice whole).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pieces: list[tuple[Piece, torch.Tensor | None]] = []
+
+    def gap(start: int, length: int) -> None:
+        if world == 1:
+            pieces.append((Piece(rank, start, length), torch.empty(length, dtype=dtype)))
+        else:
+            pieces.append((Piece((rank + 1) % world, start, length), None))
+
+    at = 0
+    for start, buffer in sorted(local, key=lambda item: item[0]):
+        if start < at:
+            raise RuntimeError("internal error: overlapping ranges to read")
+        if start > at:
+            gap(at, start - at)
+        pieces.append((Piece(rank, start, buffer.numel()), buffer))
+        at = start + buffer.numel()
+    if at < numel:
+        gap(at, numel - at)
+    shards_metadata = [
+        ShardMetadata(
+            shard_offsets=[piece.start],
+            shard_sizes=[piece.length],
+            placement=f"rank:{piece.rank}/cpu",
+        )
+        for piece, _ in pieces
+    ]
+    local_shards = [
+        Shard(tensor=buffer, metadata=metadata)
+        for (_, buffer), metadata in zip(pieces, shards_metadata, strict=True)
+        if buffer is not None
+    ]
+    return _from_local(local_shards, shards_metadata, numel, dtype)
+
+
+def _from_local(
+    local_shards: list[Shard], shards_metadata: list[ShardMetadata], numel: int, dtype: torch.dtype
+) -> ShardedTensor:
     properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
     global_metadata = ShardedTensorMetadata(
         shards_metadata=shards_metadata,

@@ -19,7 +19,9 @@ column moments; see `zerodp.optim.tensorwise`) is saved in its own shape by
 the rank that holds it (every rank at stage 0, written once). DCP reshards on
 load: any stage, world size and shard group size can load any other's
 checkpoint, since the keys and global shapes never change; a parameter's
-whole-tensor state goes to whichever rank steps it in the loading engine.
+whole-tensor state goes to whichever rank steps it in the loading engine. At another
+tensor-parallel degree the slices are read across cuts ([Note: another tensor-parallel
+degree] in `zerodp.checkpoint_io.tensor_relayout`).
 
 The same plan gives the destinations for loading: views into the engine's
 own buffers, so DCP writes the loaded values in place.

@@ -20,6 +20,11 @@ gradient's `GradSync`:
   into the same layout (bitwise); elsewhere every rank reads all of them and
   takes their average, as the boundary's all-reduce across replicas would.
 
+Under another tensor-parallel degree the saved parts are slices of another cut: the
+local sums and the replicas' averages of each saved slice are read across the cuts
+(`zerodp.checkpoint_io.tensor_relayout`), combined as above, and cut as this engine's
+slice; an averaged gradient is read across cuts like the master weights.
+
 The description in zerodp_state.json records the parallel dims the window was
 kept under (`ParallelDims.to_record`; how the saved parts combine is theirs to
 say, not this module's), the accumulation steps (a window's gradients only
@@ -40,10 +45,12 @@ from typing import Any
 import torch
 
 from zerodp.checkpoint_io.subject import CheckpointSubject
+from zerodp.checkpoint_io.tensor_relayout import Relayout, SavedParts
 from zerodp.checkpoint_io.tensors import as_entry, param_entries
 from zerodp.errors import CheckpointError
 from zerodp.group_state import GradSync, GroupState
 from zerodp.parallel import REPLICA, ParallelDims
+from zerodp.parallel.tensor_slices import TensorSlices
 
 AVERAGED = "grad."
 LOCAL = "grad_local.rank"
@@ -113,39 +120,27 @@ def plan_load(
     shared: dict[str, Any],
     saved: dict[str, Any],
     with_loss_scaler: bool,
+    relayout: Relayout | None = None,
 ) -> GradientLoad:
     """Check that the saved gradients fit this engine and plan reading them (nothing changes).
 
     `with_loss_scaler`: the load restores the saved loss scaler (the optimizer state is
     loaded), so the scale after the load is the checkpoint's, not the engine's current one.
+    `relayout`: the parameters cut otherwise than saved (another T), read across cuts.
     """
     info = shared.get("gradients")
     plan = GradientLoad()
     if info is None:
         return plan
-    if not isinstance(info, dict) or not all(
-        isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool)
-        for k in ("accumulation_steps", "loss_scale", "world_size")
-    ):
-        raise CheckpointError(
-            "checkpoint state: 'gradients' is damaged; the checkpoint's zerodp_state.json is "
-            "damaged"
-        )
-    if info["accumulation_steps"] != subject.accumulation_steps:
-        raise CheckpointError(
-            "the checkpoint was taken inside an accumulation window of "
-            f"{info['accumulation_steps']} micro-steps (it holds the gradients accumulated so "
-            f"far); this engine accumulates {subject.accumulation_steps}: set "
-            f"gradient_accumulation_steps to {info['accumulation_steps']}, or resume from a "
-            "checkpoint saved at an accumulation boundary"
-        )
-    if not (info["loss_scale"] > 0 and info["world_size"] >= 1):
-        raise CheckpointError("checkpoint state: 'gradients' is damaged (scale or world size)")
+    _check_info(info, subject.accumulation_steps)
     saved_dims = _saved_dims(info)
     same_dims = saved_dims.same_layout(subject.dims)
     same_layout = same_dims and subject.local_accumulation
-    sources = saved_dims.window_sum_sources(subject.dims.tensor_rank)
+    # A weight left whole has the same sums on every tensor rank: under another T, rank 0's.
+    same_t = saved_dims.tensor_size == subject.dims.tensor_size
+    sources = saved_dims.window_sum_sources(subject.dims.tensor_rank if same_t else 0)
     saved_replicas = saved_dims.num_replicas
+    cuts = {} if relayout is None else relayout.cuts
     fresh: dict[GroupState, torch.Tensor] = {}
     for entry in param_entries(subject):
         state = entry.state
@@ -155,7 +150,13 @@ def plan_load(
         averaged_key = f"{AVERAGED}{entry.name}"
         local_keys = [f"{LOCAL}{r}.{entry.name}" for r in sources.ranks]
         partial_keys = [f"{PARTIAL}{r}.{entry.name}" for r in range(saved_replicas)]
-        if partial_keys[0] in saved:
+        if entry.name in cuts and averaged_key not in saved:
+            if relayout is None:  # pragma: no cover - cuts come from the relayout
+                raise RuntimeError("internal error: cuts without a relayout")
+            parts = _saved_parts(saved_dims, cuts[entry.name][0], entry.name, saved)
+            if parts is not None:
+                _plan_relaid(plan, relayout, subject, entry.name, entry.position, state, parts)
+        elif partial_keys[0] in saved:
             divisor = saved_dims.gradient_divisor(REPLICA)
             _plan_partial(plan, subject, entry.position, state, partial_keys, same_dims, divisor)
         elif averaged_key in saved:
@@ -170,17 +171,14 @@ def plan_load(
             numel = state.flat.layout.slots[entry.position].numel
             if same_layout:
                 own = torch.zeros(numel, dtype=kept.storage.dtype, device=kept.storage.device)
-                plan.destinations[local_keys[subject.comm.rank]] = own
+                plan.destinations[f"{LOCAL}{subject.comm.rank}.{entry.name}"] = own
                 plan.steps.append(_put_local(state, entry.position, own))
             else:
                 sums = [torch.zeros(numel, dtype=torch.float32) for _ in local_keys]
                 plan.destinations.update(zip(local_keys, sums, strict=True))
                 plan.steps.append(_put_combined_sums(state, entry.position, sums, sources.divisor))
         elif any(key in saved for key in local_keys):
-            raise CheckpointError(
-                f"the checkpoint's accumulated gradient of '{entry.name}' lacks some ranks' "
-                "parts; the checkpoint is incomplete"
-            )
+            raise _incomplete(entry.name)
     if with_loss_scaler:
         scale_after_load = float(shared["loss_scaler"]["scale"])  # checked before this
     else:
@@ -188,6 +186,89 @@ def plan_load(
     if scale_after_load != info["loss_scale"]:
         plan.rescale = scale_after_load / float(info["loss_scale"])
     return plan
+
+
+def _check_info(info: Any, accumulation_steps: int) -> None:
+    if not isinstance(info, dict) or not all(
+        isinstance(info.get(k), (int, float)) and not isinstance(info.get(k), bool)
+        for k in ("accumulation_steps", "loss_scale", "world_size")
+    ):
+        raise CheckpointError(
+            "checkpoint state: 'gradients' is damaged; the checkpoint's zerodp_state.json is "
+            "damaged"
+        )
+    if info["accumulation_steps"] != accumulation_steps:
+        raise CheckpointError(
+            "the checkpoint was taken inside an accumulation window of "
+            f"{info['accumulation_steps']} micro-steps (it holds the gradients accumulated so "
+            f"far); this engine accumulates {accumulation_steps}: set "
+            f"gradient_accumulation_steps to {info['accumulation_steps']}, or resume from a "
+            "checkpoint saved at an accumulation boundary"
+        )
+    if not (info["loss_scale"] > 0 and info["world_size"] >= 1):
+        raise CheckpointError("checkpoint state: 'gradients' is damaged (scale or world size)")
+
+
+def _incomplete(name: str) -> CheckpointError:
+    return CheckpointError(
+        f"the checkpoint's accumulated gradient of '{name}' lacks some ranks' parts; the "
+        "checkpoint is incomplete"
+    )
+
+
+def _saved_parts(
+    saved_dims: ParallelDims, cut: TensorSlices, name: str, saved: dict[str, Any]
+) -> SavedParts | None:
+    """Where a window's gradient of `name`, saved per rank or per replica, has each part of
+    its saved cut: the replicas' averages (each holding every part), averaged as the
+    boundary would; or the local sums of the saved ranks of each part's tensor slice
+    (a weight left whole: tensor rank 0's), combined as the saved dims say. None: the
+    window kept no gradient of `name` (it was frozen), which stays zero as elsewhere."""
+    parts = range(cut.count)
+    replicas = [f"{PARTIAL}{r}.{name}" for r in range(saved_dims.num_replicas)]
+    if replicas[0] in saved:
+        if not all(key in saved for key in replicas):
+            raise _incomplete(name)
+        divisor = saved_dims.gradient_divisor(REPLICA)
+        return SavedParts(
+            cut, tuple(tuple(replicas) for _ in parts), tuple(cut.offset(p) for p in parts), divisor
+        )
+    sources = [saved_dims.window_sum_sources(p if cut.count > 1 else 0) for p in parts]
+    keys = tuple(tuple(f"{LOCAL}{r}.{name}" for r in source.ranks) for source in sources)
+    found = [key in saved for part in keys for key in part]
+    if not any(found):
+        return None
+    if not all(found):
+        raise _incomplete(name)
+    return SavedParts(cut, keys, tuple(0 for _ in parts), sources[0].divisor)
+
+
+def _plan_relaid(
+    plan: GradientLoad,
+    relayout: Relayout,
+    subject: CheckpointSubject,
+    name: str,
+    position: int,
+    state: GroupState,
+    parts: SavedParts,
+) -> None:
+    """This rank's part of a window's gradient cut otherwise than saved: read across the cuts
+    (see [Note: another tensor-parallel degree]), averaged as the boundary would have."""
+    relayout.need(name)
+    cut = relayout.cuts[name][1]
+    part = subject.dims.tensor_rank if cut.count > 1 else 0
+    flat = state.flat
+    if flat.owns_full:
+        start, end = flat.slot_of(position)
+        param_start = 0
+    else:
+        overlap = flat.layout.overlap(position, flat.rank)
+        if overlap is None:
+            return
+        start, end, param_start = overlap.shard_start, overlap.shard_end, overlap.param_start
+    values = torch.zeros(end - start, dtype=torch.float32)
+    relayout.add(name, parts, part, param_start, values)
+    plan.steps.append(_put_region(state, start, end, values))
 
 
 def _saved_dims(info: dict[str, Any]) -> ParallelDims:
@@ -251,6 +332,19 @@ def _put_partial(state: GroupState, owned: torch.Tensor) -> Callable[[], None]:
             raise RuntimeError("internal error: no kept gradient")
         kept.owned().copy_(owned)
         kept.sync = GradSync.PARTIAL
+
+    return put
+
+
+def _put_region(
+    state: GroupState, start: int, end: int, values: torch.Tensor
+) -> Callable[[], None]:
+    def put() -> None:
+        kept = state.grads
+        if kept is None:  # pragma: no cover - planned for trainable groups only
+            raise RuntimeError("internal error: no kept gradient")
+        kept.owned()[start:end].copy_(values)
+        kept.sync = GradSync.AVERAGED
 
     return put
 

@@ -64,6 +64,10 @@ The rules, written here only:
 7. Checkpoints: a checkpoint records these sizes (`to_record`), and a load asks the
    saved dims how saved parts combine (`window_sum_sources`: a window's local sums,
    summed over sequence ranks and averaged over data ranks).
+8. Tensor slices: a split weight is cut into T equal consecutive ranges of its split
+   dimension, tensor rank t holding range t (`tensor_slices`); a checkpoint saved at T
+   and loaded at T' asks the saved dims for the saved parts and its own for its slice
+   (`zerodp.parallel.tensor_slices`: which saved rows make up a piece of another cut).
 
 Which features compose with which dimension is the table beside this module
 (`zerodp.parallel.composition`), not a rule scattered over the code.
@@ -76,6 +80,7 @@ from dataclasses import dataclass
 from zerodp.errors import ConfigError
 from zerodp.parallel.sequence_slice import SequenceSlice
 from zerodp.parallel.sizes import size_problems
+from zerodp.parallel.tensor_slices import TensorSlices
 
 WORLD = "world"
 SHARD = "shard"
@@ -399,12 +404,23 @@ class ParallelDims:
 
         These dims are the ones a checkpoint was saved with (`from_record`): a checkpoint
         taken inside a window at stages 0-1 keeps each rank's local sum, and a load into
-        another layout or stage combines them as the boundary's reduction would have.
+        another layout or stage combines them as the boundary's reduction would have. A
+        weight the plan leaves whole has the same sums on every tensor rank: tensor rank 0's
+        serve a load under another T.
         """
         if not 0 <= tensor_rank < self.tensor_size:
             raise ValueError(f"tensor rank {tensor_rank} of a tensor group of {self.tensor_size}")
         ranks = tuple(range(tensor_rank, self.world_size, self.tensor_size))
         return SavedSums(ranks, self.data_size)
+
+    def tensor_slices(self, whole_shape: tuple[int, ...], dim: int) -> TensorSlices:
+        """How a weight of `whole_shape` split along `dim` is cut over the T tensor ranks
+        (rule 8; T = 1: one part); `ValueError` when T does not divide that dimension."""
+        return TensorSlices.of(tuple(whole_shape), dim, self.tensor_size)
+
+    def whole_shape(self, slice_shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+        """The whole weight's shape from a tensor rank's slice of it along `dim` (rule 8)."""
+        return TensorSlices.whole_shape_of(tuple(slice_shape), dim, self.tensor_size)
 
     # -- a record for checkpoints ------------------------------------------------------------
 
