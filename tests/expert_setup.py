@@ -537,3 +537,60 @@ def sft_single_process(workdir: str, world: int) -> tuple[dict[str, torch.Tensor
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, losses
+
+
+# -- a checkpoint inside an accumulation window ------------------------------------------------
+
+
+def save_inside_window(case: Case, steps: int, directory: str) -> dict[str, float]:
+    """Train `steps` steps of `case` (accumulation 2) beside the reference, then the first
+    micro-batch of the next window (its backward only), and save inside the window."""
+    if case.gas != 2:
+        raise ValueError("a window of two micro-batches, saved after the first")
+    model, plain = build_pair(case)
+    reference = Reference(case, plain)
+    engine, _, _, _ = zerodp.initialize(model=model, config=case.config())
+    try:
+        worst = train_and_compare(case, engine, model, reference, range(steps))
+        ids = micro_batch(steps, 0, engine.data_parallel_rank)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()  # not a boundary: nothing steps
+        engine.save_checkpoint(directory, tag="window")
+    finally:
+        engine.destroy()
+    return worst
+
+
+def resume_inside_window(
+    saved: Case, saved_data_ranks: int, steps: int, case: Case, directory: str
+) -> dict[str, Any]:
+    """Load the window `save_inside_window(saved, steps, ...)` saved, in `case`'s layout (another
+    E or stage), run the window's second micro-batch, step, and one more step; the reference
+    replays the saved steps and the whole window (the data ranks are the same)."""
+    model, plain = build_pair(case)
+    with torch.no_grad():  # other values: the load must bring the saved ones
+        for param in model.parameters():
+            param.add_(1.0)
+    reference = Reference(case, plain)
+    for step in range(steps):
+        reference.step(step, saved_data_ranks)
+    engine, _, _, _ = zerodp.initialize(model=model, config=case.config())
+    mine = engine.data_parallel_rank
+    try:
+        path, _ = engine.load_checkpoint(directory, tag="window")
+        if path is None:
+            raise AssertionError(f"no checkpoint loaded from {directory}")
+        losses, norm = reference.step(steps, engine.data_parallel_size)
+        ids = micro_batch(steps, 1, mine)
+        out = engine(input_ids=ids, labels=ids)
+        where = f"{saved} -> {case}, the window's second micro-batch"
+        worst = {"loss": close(out.loss, losses[1][mine], f"{where}: loss")}
+        engine.backward(out.loss)
+        engine.step()
+        worst["norm"] = close(engine.get_global_grad_norm(), norm, f"{where}: norm")
+        worst["weights"] = check_weights(engine, model, reference, where)
+        after = train_and_compare(case, engine, model, reference, range(steps + 1, steps + 2))
+        worst = {key: max(value, after[key]) for key, value in worst.items()}
+    finally:
+        engine.destroy()
+    return worst

@@ -28,8 +28,10 @@ from tests.expert_setup import (
     plain_trainer_run,
     refused_cases,
     resume,
+    resume_inside_window,
     run_cases,
     save_after,
+    save_inside_window,
     sft_single_process,
     sft_with_experts,
     trainer_with_experts,
@@ -170,3 +172,26 @@ def test_trls_sft_trainer_with_experts_split_matches_single_process_trl(
     for name, value in expected.items():
         torch.testing.assert_close(got["weights"][name], value, rtol=1e-5, atol=1e-5, msg=name)
     assert got["losses"] == pytest.approx(losses, rel=1e-6), (got["losses"], losses)
+
+
+def test_a_window_and_a_boundary_resume_at_another_e(pools: Any, tmp_path: Path) -> None:
+    """Inside an accumulation window (SGD, stages that keep each rank's local sums: a window's
+    sums of each saved EP rank's experts combined as the saved dims say, then this rank's
+    experts cut from the whole): E=2 -> E=1 at stage 3, E=2 -> E=2 in the same layout (the
+    sums as saved), E=1 -> E=2 at stage 2; and at a boundary E=1 -> E=2."""
+    loads = {
+        (2, 0): [Case(3, expert=1, gas=2), Case(0, gas=2)],
+        (1, 1): [Case(2, gas=2)],
+    }
+    for (expert, stage), targets in loads.items():
+        saved = Case(stage, expert=expert, gas=2)
+        directory = str(tmp_path / f"window{expert}")
+        pools(2).run(save_inside_window, saved, 1, directory)
+        for case in targets:
+            for result in pools(2).run(resume_inside_window, saved, 2, 1, case, directory):
+                assert result["weights"] <= 1e-5, (saved, case, result)
+    saved = Case(1, expert=1, optimizer="adamw")
+    directory = str(tmp_path / "boundary")
+    pools(2).run(save_after, saved, 2, directory)
+    for result in pools(2).run(resume, saved, 2, 2, Case(3, optimizer="adamw"), directory):
+        assert result["loaded"] <= 1e-6, result

@@ -99,6 +99,8 @@ def _fixed_at_the_call(
     shared = json_state.shared_state(subject, client_json)
     shared["gradients"] = window_gradients.describe(subject)
     shared[tensor_slices.DIMS] = subject.dims.to_record()  # how saved parts combine at a load
+    if subject.expert_slices:  # which tensors were this rank's experts only (their whole shapes
+        shared[window_gradients.EXPERT_KEY] = sorted(subject.expert_slices)  # are in params)
     tp = tensor_slices.describe(subject)
     if tp is not None:
         shared[tensor_slices.KEY] = tp

@@ -38,6 +38,7 @@ own scale, and the gradients are rescaled to it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,13 +47,15 @@ import torch
 
 from zerodp.checkpoint_io.subject import CheckpointSubject
 from zerodp.checkpoint_io.tensor_relayout import Relayout, SavedParts
-from zerodp.checkpoint_io.tensors import as_entry, param_entries
+from zerodp.checkpoint_io.tensors import ParamEntry, as_entry, param_entries
 from zerodp.errors import CheckpointError
 from zerodp.group_state import GradSync, GroupState
 from zerodp.parallel import REPLICA, ParallelDims
 from zerodp.parallel.tensor_slices import TensorSlices
+from zerodp.partition import Slicing
 
 AVERAGED = "grad."
+EXPERT_KEY = "expert_slices"  # zerodp_state.json: the names saved as each rank's experts
 LOCAL = "grad_local.rank"
 PARTIAL = "grad_replica"
 
@@ -141,12 +144,21 @@ def plan_load(
     sources = saved_dims.window_sum_sources(subject.dims.tensor_rank if same_t else 0)
     saved_replicas = saved_dims.num_replicas
     cuts = {} if relayout is None else relayout.cuts
+    saved_experts = _saved_experts(shared)
     fresh: dict[GroupState, torch.Tensor] = {}
     for entry in param_entries(subject):
         state = entry.state
         if state is None or state.grads is None:
             continue
         kept = state.grads
+        experts_now = entry.slicing is Slicing.EXPERT
+        saved_as_slices = entry.name in saved_experts
+        if (
+            (saved_as_slices or experts_now)
+            and not same_layout
+            and _plan_experts(plan, subject, saved_dims, entry, saved_as_slices, saved)
+        ):
+            continue
         averaged_key = f"{AVERAGED}{entry.name}"
         local_keys = [f"{LOCAL}{r}.{entry.name}" for r in sources.ranks]
         partial_keys = [f"{PARTIAL}{r}.{entry.name}" for r in range(saved_replicas)]
@@ -186,6 +198,60 @@ def plan_load(
     if scale_after_load != info["loss_scale"]:
         plan.rescale = scale_after_load / float(info["loss_scale"])
     return plan
+
+
+def _saved_experts(shared: dict[str, Any]) -> frozenset[str]:
+    names = shared.get(EXPERT_KEY, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointError(f"checkpoint state: '{EXPERT_KEY}' is damaged")
+    return frozenset(names)
+
+
+def _plan_experts(
+    plan: GradientLoad,
+    subject: CheckpointSubject,
+    saved_dims: ParallelDims,
+    entry: ParamEntry,
+    saved_as_slices: bool,
+    saved: dict[str, Any],
+) -> bool:
+    """A window's local sums of an expert tensor saved or loaded as EP ranks' slices (another
+    E, or another layout): each saved slice e summed over the saved ranks holding experts e
+    and divided as the saved dims say, the slices put together along the experts, and this
+    rank's experts cut from that whole. False: not local sums (the averaged form loads at any
+    E by itself, as the model's values do)."""
+    name, state = entry.name, entry.state
+    if state is None:  # pragma: no cover - planned for trainable groups only
+        raise RuntimeError("internal error: no group")
+    whole_shape = subject.recorded_shapes()[name]
+    slices = saved_dims.expert_size if saved_as_slices else 1
+    parts = [
+        saved_dims.window_sum_sources(0, e if saved_as_slices else None) for e in range(slices)
+    ]
+    keys = [[f"{LOCAL}{r}.{name}" for r in part.ranks] for part in parts]
+    found = [key in saved for part in keys for key in part]
+    if not any(found):
+        return False
+    if not all(found):
+        raise _incomplete(name)
+    numel = math.prod(whole_shape)
+    sums = [[torch.zeros(numel // slices, dtype=torch.float32) for _ in part] for part in keys]
+    for part_keys, part_sums in zip(keys, sums, strict=True):
+        plan.destinations.update(zip(part_keys, part_sums, strict=True))
+    row = numel // whole_shape[0]  # one expert's elements
+    held = state.flat.layout.slots[entry.position].numel
+    first = subject.dims.expert_rank * held if entry.slicing is Slicing.EXPERT else 0
+
+    def combined() -> torch.Tensor:
+        whole = torch.cat(
+            [torch.stack(s).sum(0).div_(p.divisor) for s, p in zip(sums, parts, strict=True)]
+        )
+        if held % row:  # pragma: no cover - an expert slice holds whole experts
+            raise RuntimeError("internal error: a slice of part of an expert")
+        return whole[first : first + held]
+
+    plan.steps.append(_put_combined_sums(state, entry.position, [], 1, combined))
+    return True
 
 
 def _check_info(info: Any, accumulation_steps: int) -> None:
@@ -373,15 +439,20 @@ def _put_local(state: GroupState, position: int, values: torch.Tensor) -> Callab
 
 
 def _put_combined_sums(
-    state: GroupState, position: int, sums: list[torch.Tensor], divisor: int
+    state: GroupState,
+    position: int,
+    sums: list[torch.Tensor],
+    divisor: int,
+    combined: Callable[[], torch.Tensor] | None = None,
 ) -> Callable[[], None]:
-    """The saved parts summed and divided by what the saved dims say (never counted here)."""
+    """The saved parts summed and divided by what the saved dims say (never counted here);
+    `combined` computes that value itself where the parts are not one slice's sums."""
 
     def put() -> None:
         kept = state.grads
         if kept is None:  # pragma: no cover
             raise RuntimeError("internal error: no kept gradient")
-        average = torch.stack(sums).sum(0).div_(divisor)
+        average = combined() if combined is not None else torch.stack(sums).sum(0).div_(divisor)
         flat = state.flat
         if flat.owns_full:
             start, end = flat.slot_of(position)

@@ -223,7 +223,7 @@ TABLE: Mapping[Feature, Mapping[Dimension, Cell]] = {
     Feature.WINDOW_CHECKPOINT: {
         Dimension.SEQUENCE: composes(_SEQUENCE_TESTS),
         Dimension.TENSOR: composes(_LAYOUT_TESTS),
-        Dimension.EXPERT: refused("a window's gradients of expert slices are not saved yet"),
+        Dimension.EXPERT: composes(_EXPERT_TESTS),
     },
     Feature.DEEPSPEED_CHECKPOINT: {
         Dimension.SEQUENCE: refused("not tested yet with sequence parallelism"),

@@ -78,9 +78,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerodp.errors import ConfigError
+from zerodp.parallel.saved_layouts import SavedLayoutRules
 from zerodp.parallel.sequence_slice import SequenceSlice
 from zerodp.parallel.sizes import size_problems
-from zerodp.parallel.tensor_slices import TensorSlices
 
 WORLD = "world"
 SHARD = "shard"
@@ -98,7 +98,7 @@ KINDS = (WORLD, *LABELS)
 
 
 @dataclass(frozen=True)
-class ParallelDims:
+class ParallelDims(SavedLayoutRules):
     """The mesh of one run, seen from `rank`. Pure arithmetic: every rank computes the same.
 
     `shard_group_size` is the size of a shard group (Z x S ranks; `world_size / tensor_size`
@@ -397,75 +397,6 @@ class ParallelDims:
         batch's value alike, so each batch is counted `ranks_per_batch` times."""
         return self.data_size * self.ranks_per_batch
 
-    def window_sum_sources(self, tensor_rank: int) -> SavedSums:
-        """Which saved ranks' local gradient sums make up one accumulation window's gradient
-        of the slice of `tensor_rank`, and what their sum is divided by (rule 1: summed over
-        the sequence ranks, averaged over the D data ranks).
-
-        These dims are the ones a checkpoint was saved with (`from_record`): a checkpoint
-        taken inside a window at stages 0-1 keeps each rank's local sum, and a load into
-        another layout or stage combines them as the boundary's reduction would have. A
-        weight the plan leaves whole has the same sums on every tensor rank: tensor rank 0's
-        serve a load under another T.
-        """
-        if not 0 <= tensor_rank < self.tensor_size:
-            raise ValueError(f"tensor rank {tensor_rank} of a tensor group of {self.tensor_size}")
-        ranks = tuple(range(tensor_rank, self.world_size, self.tensor_size))
-        return SavedSums(ranks, self.data_size)
-
-    def tensor_slices(self, whole_shape: tuple[int, ...], dim: int) -> TensorSlices:
-        """How a weight of `whole_shape` split along `dim` is cut over the T tensor ranks
-        (rule 8; T = 1: one part); `ValueError` when T does not divide that dimension."""
-        return TensorSlices.of(tuple(whole_shape), dim, self.tensor_size)
-
-    def whole_shape(self, slice_shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
-        """The whole weight's shape from a tensor rank's slice of it along `dim` (rule 8)."""
-        return TensorSlices.whole_shape_of(tuple(slice_shape), dim, self.tensor_size)
-
-    # -- a record for checkpoints ------------------------------------------------------------
-
-    def to_record(self) -> dict[str, int]:
-        """The sizes, as a checkpoint records them (rank-independent)."""
-        return {
-            "world_size": self.world_size,
-            "shard_group_size": self.shard_group_size,
-            "secondary_size": self.secondary_size,
-            "sequence_size": self.sequence_size,
-            "tensor_size": self.tensor_size,
-            "expert_size": self.expert_size,
-        }
-
-    @classmethod
-    def from_record(cls, record: object, rank: int = 0) -> ParallelDims:
-        """The dims a checkpoint recorded (`to_record`), checked; `ValueError` when damaged."""
-        keys = ("world_size", "shard_group_size", "secondary_size", "sequence_size", "tensor_size")
-        if not isinstance(record, dict) or not all(
-            isinstance(record.get(k), int) and not isinstance(record.get(k), bool) for k in keys
-        ):
-            raise ValueError(f"a record of parallel dims has the integers {keys}, got {record!r}")
-        world = record["world_size"]
-        if world < 1 or record["shard_group_size"] < 1 or record["secondary_size"] < 1:
-            raise ValueError(f"parallel dims out of range: {record!r}")
-        expert = record.get("expert_size", 1)  # recorded since expert parallelism
-        if not isinstance(expert, int) or isinstance(expert, bool):
-            raise ValueError(f"a record of parallel dims has an integer expert_size: {record!r}")
-        try:
-            return cls.build(
-                world,
-                rank,
-                shard_group_size=record["shard_group_size"],
-                secondary_size=record["secondary_size"],
-                sequence_size=record["sequence_size"],
-                tensor_size=record["tensor_size"],
-                expert_size=expert,
-            )
-        except ConfigError as caught:
-            raise ValueError(f"parallel dims that do not fit: {caught}") from None
-
-    def same_layout(self, other: ParallelDims) -> bool:
-        """Whether `other` lays the ranks out as these dims do (ranks aside)."""
-        return self.to_record() == other.to_record()
-
     def norm_sum_groups(
         self, *, sharded: bool, tensor_split: bool = False, expert: bool = False
     ) -> tuple[str, ...]:
@@ -486,11 +417,3 @@ class ParallelDims:
         if tensor_split and self.tensor_size > 1:
             groups.append(TENSOR)
         return tuple(groups)
-
-
-@dataclass(frozen=True)
-class SavedSums:
-    """Saved per-rank sums that make up one value: `ranks`' parts, summed, over `divisor`."""
-
-    ranks: tuple[int, ...]
-    divisor: int
