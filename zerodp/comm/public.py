@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerodp.comm.launch_env import LAUNCHERS
 from zerodp.comm.process_group import (
     default_device,
     destroy_process_group_if_owned,
@@ -201,29 +202,18 @@ def _set_consistent(name: str, value: int) -> None:
 
 
 # (rank, world size, local rank) variables of the MPI launchers DeepSpeed discovers.
-_MPI_VARIABLES = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-)
-
-
 def _environment_from_mpi(distributed_port: int) -> None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    """DeepSpeed's MPI discovery: `distributed_port` is the master port of an mpirun launch
+    that sets none. The rest of the launcher's environment (ranks, sizes, the master's
+    address, a partial environment's error) is read by `zerodp.comm.launch_env`, as for
+    `zerodp.initialize`, when the process group is set up."""
+    if "RANK" in os.environ or "MASTER_PORT" in os.environ:
         return
-    for rank_name, size_name, local_name in _MPI_VARIABLES:
-        if rank_name not in os.environ or size_name not in os.environ:
-            continue
-        if "MASTER_ADDR" not in os.environ:
-            raise UsageError(
-                f"init_distributed under MPI ({rank_name} is set) needs MASTER_ADDR: export "
-                "MASTER_ADDR=<the first host's address> (zerodp does not query MPI for it), "
-                "or launch with zerodp run / torchrun"
-            )
-        os.environ["RANK"] = os.environ[rank_name]
-        os.environ["WORLD_SIZE"] = os.environ[size_name]
-        os.environ.setdefault("LOCAL_RANK", os.environ.get(local_name, "0"))
-        os.environ.setdefault("MASTER_PORT", str(distributed_port))
-        return
+    if any(
+        launcher.name.startswith("mpirun") and launcher.rank in os.environ
+        for launcher in LAUNCHERS
+    ):
+        os.environ["MASTER_PORT"] = str(distributed_port)
 
 
 def is_available() -> bool:
