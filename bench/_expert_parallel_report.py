@@ -39,6 +39,9 @@ def side_by_side_table(saved: dict[str, Any]) -> str:
         f"in experts; fp32, gradients clipped at norm 1; "
         f"{', '.join(f'{k} {v}' for k, v in saved['versions'].items())}",
     ]
+    if "load_average" in saved:
+        loads = ", ".join(f"{x:.1f}" for x in saved["load_average"])
+        lines.append(f"Load average (1 min) at the start and after each part: {loads}")
     for run in saved.get("compare", []):
         lines += ["", *_memory_rows(run, saved), "", *_exactness_rows(run, saved)]
         autoep = run.get("autoep")
@@ -102,8 +105,8 @@ def _exactness_rows(run: dict[str, Any], saved: dict[str, Any]) -> list[str]:
 
 def per_expert_slope(result: dict[str, Any]) -> tuple[float, float] | None:
     """(what one more expert per layer adds to a rank's peak resident memory, the peak rise
-    without experts), from the attempts that fit (the least and the most experts): the
-    peak rise is VmHWM's, above the process before the model."""
+    without experts): the least-squares line through the attempts that fit, the peak rise
+    being VmHWM's above the process before the model (the rank with most)."""
     points = [
         (a["experts"], a["vmhwm_bytes"] - a["before_vmhwm_bytes"])
         for a in result["attempts"]
@@ -111,9 +114,11 @@ def per_expert_slope(result: dict[str, Any]) -> tuple[float, float] | None:
     ]
     if len({x for x, _ in points}) < 2:
         return None
-    (x0, y0), (x1, y1) = min(points), max(points)
-    slope = (y1 - y0) / (x1 - x0)
-    return slope, y0 - slope * x0
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return slope, mean_y - slope * mean_x
 
 
 def fit_table(saved: dict[str, Any]) -> str:

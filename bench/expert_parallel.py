@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -265,10 +266,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "versions": _versions(torch.__version__, args.deepspeed),
     }
     parts = args.parts.split(",")
+    load = [os.getloadavg()[0]]  # the machine's load: context for the step times
     if "compare" in parts:
         saved["compare"] = [compare(world, args) for world in worlds]
+        load.append(os.getloadavg()[0])
     if "fit" in parts:
         saved["fit"] = fit(args, worlds)
+    saved["load_average"] = load
     return saved
 
 
