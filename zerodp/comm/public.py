@@ -210,8 +210,7 @@ def _environment_from_mpi(distributed_port: int) -> None:
     if "RANK" in os.environ or "MASTER_PORT" in os.environ:
         return
     if any(
-        launcher.name.startswith("mpirun") and launcher.rank in os.environ
-        for launcher in LAUNCHERS
+        launcher.name.startswith("mpirun") and launcher.rank in os.environ for launcher in LAUNCHERS
     ):
         os.environ["MASTER_PORT"] = str(distributed_port)
 
