@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from zerodp.config import load_config
 from zerodp.config.parallel_features import dimension_sizes, features_on
@@ -112,3 +113,45 @@ def test_config_validation_refuses_exactly_the_pairs_of_dimensions_the_table_ref
         return
     with pytest.raises(ConfigError, match=f"{first.key} 2 with {second.key} 2"):
         load_config(config, world_size=4)
+
+
+@pytest.mark.parametrize("dimension", list(Dimension))
+def test_router_logits_are_refused_at_the_forward_where_the_table_refuses_them(
+    dimension: Dimension,
+) -> None:
+    """output_router_logits=True, asked by the forward's argument or the model's config, is
+    refused at the forward on a run whose dims the table refuses it with; asked for nothing,
+    or on a run that takes it, the forward runs."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from zerodp.engine.composition_checks import refuse_router_aux_loss_where_refused
+    from zerodp.errors import UsageError
+
+    class MoELike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(output_router_logits=False)
+            self.gate = nn.Linear(2, 2)
+
+        def forward(self, x: Any, output_router_logits: bool | None = None) -> Any:
+            return self.gate(x)
+
+    key = {Dimension.SEQUENCE: "sequence_size", Dimension.TENSOR: "tensor_size"}
+    sizes = {key.get(dimension, "expert_size"): 2}
+    dims = ParallelDims.build(4, 0, **sizes)
+    model = MoELike()
+    refuse_router_aux_loss_where_refused(model, SimpleNamespace(dims=dims))  # type: ignore[arg-type]
+    x = torch.ones(1, 2)
+    model(x)
+    model(x, output_router_logits=False)
+    if TABLE[Feature.ROUTER_AUX_LOSS][dimension].composes:
+        model(x, output_router_logits=True)
+        return
+    with pytest.raises(UsageError, match="output_router_logits"):
+        model(x, output_router_logits=True)
+    model.config.output_router_logits = True
+    with pytest.raises(UsageError, match="output_router_logits"):
+        model(x)
+    model(x, output_router_logits=False)  # the argument decides over the config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import types
+import warnings
 from typing import Any
 
 import pytest
@@ -296,3 +297,22 @@ def test_hints_from_arguments() -> None:
     assert hints.world_size == 2 and hints.hidden_size == 40 and hints.model_dtype == "fp32"
     assert hints.optimizer_given and not hints.lr_scheduler_given
     assert hints.optimizer_settings is not None and hints.optimizer_settings["lr"] == 0.1
+
+
+def test_expert_parallelism_enabled_at_size_one_says_it_runs_without_it() -> None:
+    config = {"train_batch_size": 2, "expert_parallel": {"enabled": True}}
+    with pytest.warns(ConfigWarning, match="autoep_size = 1 with enabled true: every rank holds"):
+        parsed = load_config(config, world_size=2)
+    assert parsed.expert_parallel.size == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(
+            {**config, "expert_parallel": {"enabled": True, "autoep_size": 2}}, world_size=2
+        )
+
+
+def test_deepspeeds_preset_with_an_experts_name_is_refused_naming_what_zerodp_reads() -> None:
+    section = {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}
+    config = {"train_batch_size": 2, "expert_parallel": {**section, "expert_pattern": "moe"}}
+    with pytest.raises(ConfigError, match="zerodp uses no presets and finds the experts by"):
+        load_config(config, world_size=2)

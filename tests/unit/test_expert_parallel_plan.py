@@ -66,7 +66,7 @@ def test_patterns_name_the_same_experts_and_every_pattern_must_match() -> None:
 
 def test_a_model_without_a_plan_needs_patterns() -> None:
     model = MoELM(MoEConfig())
-    with pytest.raises(ConfigError, match=re.escape("give expert_parallel.expert_pattern")):
+    with pytest.raises(ConfigError, match=re.escape("give expert_parallel.plan")):
         split_experts(model, 2, 0, group(0, 2), None)
 
 
@@ -239,3 +239,14 @@ def test_a_router_choice_that_does_not_fit_the_tokens_is_refused_before_any_exch
             local_forward=lambda *args: args[0],
             params=[],
         )
+
+
+def test_a_forward_set_on_the_experts_instance_is_refused_naming_the_hooks() -> None:
+    """accelerate's device_map hooks set a forward on the instance, which the dispatch would
+    bypass; the message says so rather than calling the model split."""
+    model = build("olmoe")
+    experts = experts_of(model)[0]
+    experts.forward = experts.forward  # what a hook-installing wrapper does
+    with pytest.raises(ConfigError, match="has a forward set on the instance") as caught:
+        split_experts(model, 2, 1, group(1, 2), None)
+    assert "split already" not in str(caught.value)

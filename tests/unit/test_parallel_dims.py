@@ -394,3 +394,15 @@ def test_the_expert_size_is_recorded() -> None:
     assert ParallelDims.from_record(dims.to_record(), rank=1) == dims
     older = {k: v for k, v in dims.to_record().items() if k != "expert_size"}
     assert ParallelDims.from_record(older).expert_size == 1  # before expert parallelism
+
+
+def test_inside_join_the_gradient_is_the_mean_over_the_ranks_still_training() -> None:
+    """Ranks that ran out add zeros to the sum the D-way average divides: the scale makes
+    it the mean of the training ranks' gradients."""
+    dims = ParallelDims.build(4, 0)
+    grads = [1.0, 2.0, 6.0]  # three ranks train; the fourth contributes 0
+    averaged = sum(grads) / dims.gradient_divisor(WORLD)
+    assert averaged * dims.joined_gradient_scale(3) == pytest.approx(sum(grads) / 3)
+    assert dims.joined_gradient_scale(4) == 1.0
+    with pytest.raises(ValueError):
+        dims.joined_gradient_scale(0)

@@ -101,10 +101,32 @@ def test_labels_are_shifted_before_the_split_and_targets_counted_once() -> None:
     assert int(count_targets(shifted)) == 4
 
 
-def test_lightnings_strategy_refuses_sequence_parallelism() -> None:
+def test_lightnings_strategy_refuses_sequence_and_expert_parallelism() -> None:
     """Lightning's loaders shard by process: a sequence group would get different batches."""
     pytest.importorskip("lightning")
     from zerodp.integrations.lightning import ZeroDPStrategy
 
     with pytest.raises(ConfigError, match="use ZeroDPTrainer or a plain loop"):
         ZeroDPStrategy({"sequence_parallel_size": 2})
+    with pytest.raises(ConfigError, match="expert parallelism"):
+        ZeroDPStrategy({"expert_parallel": {"enabled": True, "autoep_size": 2}})
+    ZeroDPStrategy({"expert_parallel": {"enabled": False, "autoep_size": 2}})
+
+
+def test_the_integrations_refuse_a_size_that_is_not_a_positive_integer() -> None:
+    """Read before the config is parsed (to size loaders), a bad size is an error naming
+    its key, not a size of 1."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("transformers")
+    from zerodp.integrations.lightning import ZeroDPStrategy
+    from zerodp.integrations.trainer_data import trainer_dims
+    from zerodp.integrations.trainer_sequence import sequence_size_of
+
+    with pytest.raises(ConfigError, match="'sequence_parallel_size': got 0"):
+        ZeroDPStrategy({"sequence_parallel_size": 0})
+    with pytest.raises(ConfigError, match=r"'tensor_parallel\.autotp_size': got '2'"):
+        trainer_dims({"tensor_parallel": {"autotp_size": "2"}}, 2, 0)
+    with pytest.raises(ConfigError, match="'sequence_parallel_size': got True"):
+        sequence_size_of({"sequence_parallel_size": True})
+    assert sequence_size_of({}) == 1
+    assert trainer_dims({"tensor_parallel": {"autotp_size": 2.0}}, 2, 0).tensor_size == 2

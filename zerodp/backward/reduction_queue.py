@@ -83,7 +83,7 @@ class ReductionQueue:
         self._divisors = {
             Slicing.WHOLE: dims.gradient_divisor(SHARD),
             Slicing.TENSOR: dims.gradient_divisor(SHARD),
-            Slicing.EXPERT: dims.gradient_divisor(EXPERT_DATA) if dims.splits_experts else 0,
+            Slicing.EXPERT: dims.gradient_divisor(EXPERT_DATA),
         }
         self._replica_divisor = dims.gradient_divisor(REPLICA)
         self.overlap_comm = overlap_comm

@@ -240,7 +240,9 @@ def _plan_experts(
         plan.destinations.update(zip(part_keys, part_sums, strict=True))
     row = numel // whole_shape[0]  # one expert's elements
     held = state.flat.layout.slots[entry.position].numel
-    first = subject.dims.expert_rank * held if entry.slicing is Slicing.EXPERT else 0
+    first = 0
+    if entry.slicing is Slicing.EXPERT:
+        first = subject.dims.expert_slice(whole_shape[0]).start * row
 
     def combined() -> torch.Tensor:
         whole = torch.cat(

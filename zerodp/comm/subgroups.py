@@ -187,17 +187,10 @@ def group_comms(
     `timeout` bounds the new groups' collectives (the config's comms_timeout_s).
     """
     world_size = world.world_size
-    shard = world_size if shard_size <= 0 else shard_size
-    if (
-        shard == world_size
-        and secondary_size <= 1
-        and sequence_size == tensor_size == expert_size == 1
-    ):
-        return flat_comms(world)
     error: ConfigError | None = None
     dims: ParallelDims | None = None
     node_size = world_size
-    try:
+    try:  # pure arithmetic: every rank raises alike, before any collective
         dims = ParallelDims.build(
             world_size,
             world.rank,
@@ -207,15 +200,19 @@ def group_comms(
             tensor_size=tensor_size,
             expert_size=expert_size,
         )
-        node = _agreed_node_size(world)
-        # A shard group spreads over shard_size x tensor_size consecutive ranks.
-        span = dims.shard_group_size * dims.tensor_size
-        problems = check_sizes(world_size, node, span, secondary_size)
-        if problems:
-            raise ConfigError("; ".join(problems))
-        node_size = node.ranks
     except ConfigError as caught:
         error = caught
+    if dims is not None and dims.is_flat:
+        return flat_comms(world)
+    if dims is not None:
+        try:
+            node = _agreed_node_size(world)
+            problems = check_sizes(world_size, node, dims.shard_span, secondary_size)
+            if problems:
+                raise ConfigError("; ".join(problems))
+            node_size = node.ranks
+        except ConfigError as caught:
+            error = caught
     world.raise_if_any_failed(error)
     if dims is None:  # pragma: no cover - raised above on every rank
         raise RuntimeError("internal error: no parallel dims")

@@ -154,9 +154,25 @@ def _parse(raw: dict[str, Any], hints: AutoHints, rank: int) -> ZeroDPConfig:
     if problems:
         raise ConfigError("\n".join(problems))
     parsed = ZeroDPConfig(**data)
+    notices += _enabled_without_effect(parsed)
     if notices and rank == 0:
         warnings.warn(format_notice(notices), ConfigWarning, stacklevel=3)
     return parsed
+
+
+def _enabled_without_effect(config: ZeroDPConfig) -> list[Notice]:
+    """A dimension switched on at size 1 runs without it (as DeepSpeed's does): say so."""
+    expert = config.expert_parallel
+    if expert.enabled and expert.autoep_size == 1:
+        return [
+            Notice(
+                "expert_parallel.autoep_size",
+                "= 1 with enabled true: every rank holds every expert (no expert parallelism); "
+                "set autoep_size to the ranks each layer's experts are split over",
+                differs=True,
+            )
+        ]
+    return []
 
 
 def _replaced_blocks(data: Mapping[str, Any], hints: AutoHints) -> list[Notice]:

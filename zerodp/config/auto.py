@@ -10,7 +10,7 @@ run) is an error naming the key and what to set; it is never guessed.
 | key | filled with |
 |---|---|
 | train_micro_batch_size_per_gpu | the batch_size of the DataLoader passed as training_data |
-| train_batch_size | micro batch x gradient_accumulation_steps (1 when "auto") x world size |
+| train_batch_size | micro batch x gradient_accumulation_steps ("auto": 1) x data ranks D |
 | gradient_accumulation_steps | derived from the other two (1 when they do not fix it) |
 | optimizer.params.* | the settings of the optimizer passed to initialize |
 | scheduler.params.warmup_min_lr | 0 (HF's constant) |

@@ -44,7 +44,7 @@ def _patterns(value: Any) -> Any:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not items or not all(isinstance(p, str) and p for p in items):
         raise reject(
-            "a module-name pattern or a non-empty list of them (e.g. 'layers.*.mlp.experts')"
+            "a module-name pattern or a non-empty list of them (e.g. 'model.layers.*.mlp.experts')"
         )
     return list(items)
 
@@ -110,6 +110,16 @@ class ExpertParallelConfig(Section):
                 ),
             )
         if self.expert_pattern is not None and self.moe_layer_pattern is None:
+            if self.preset_model is not None:
+                raise SectionRuleError(
+                    ("expert_pattern", "preset_model"),
+                    lambda k: (
+                        f"config key '{k[0]}' renames the experts module of DeepSpeed's preset "
+                        f"'{k[1]}'; zerodp uses no presets and finds the experts by the model's "
+                        f"own expert plan: remove '{k[0]}' (or name the experts modules with "
+                        "'plan')"
+                    ),
+                )
             raise SectionRuleError(
                 ("expert_pattern", "moe_layer_pattern"),
                 lambda k: (

@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 from pydantic_core import PydanticCustomError
 
 from zerodp.config.errors import SectionRuleError, to_config_error
+from zerodp.errors import ConfigError
 
 
 def or_list(options: Sequence[object]) -> str:
@@ -44,6 +45,22 @@ def int_check(lo: int | None = None, choices: tuple[int, ...] | None = None) -> 
         return number
 
     return BeforeValidator(check)
+
+
+def parallel_size(value: object, key: str) -> int:
+    """A parallel dimension's size read from a raw config dict before the config is parsed
+    (an integration sizes its loaders first): 1 when absent, else a positive integer, or a
+    `ConfigError` naming the key, never a size quietly taken as 1."""
+    if value is None:
+        return 1
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (isinstance(value, float) and not value.is_integer())
+        or value < 1
+    ):
+        raise ConfigError(f"config key '{key}': got {value!r}; allowed: an integer >= 1")
+    return int(value)
 
 
 def float_check(

@@ -40,7 +40,11 @@ from zerodp.comm.process_group import comms_timeout
 from zerodp.comm.subgroups import GroupComms, group_comms
 from zerodp.config import ZeroDPConfig
 from zerodp.engine.backward_wiring import BackwardParts, ParamRuntime, build_backward
-from zerodp.engine.composition_checks import check_model_composes, check_optimizer_composes
+from zerodp.engine.composition_checks import (
+    check_model_composes,
+    check_optimizer_composes,
+    refuse_router_aux_loss_where_refused,
+)
 from zerodp.engine.data_loader import ZeroDataLoader
 from zerodp.engine.expert_wiring import split_experts_for_engine
 from zerodp.engine.model_groups import ModelGroups, build_groups
@@ -323,6 +327,7 @@ def _groups_and_splits(
         timeout=timeout,
     )
     check_model_composes(module, comms)
+    refuse_router_aux_loss_where_refused(module, comms)
     if comms.dims.splits_tensors or comms.dims.splits_experts:
         take_whole_model_from_first_rank(module, comms.world, device)
     split = split_model(module, config, comms, device)

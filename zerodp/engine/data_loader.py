@@ -130,7 +130,7 @@ class ZeroDataLoader:
             self.batches_consumed = int(state["batches_consumed"])
 
 
-def _check_size(dataset: Any, micro_batch_size: int, world_size: int) -> int:
+def _check_size(dataset: Any, micro_batch_size: int, data_size: int) -> int:
     """The data set's size. One that cannot fill one micro-batch on every rank is refused
     at initialize (it would yield nothing, or one short batch, and `while global_steps < N`
     never ends); so is one without a length (the global order needs it)."""
@@ -142,18 +142,18 @@ def _check_size(dataset: Any, micro_batch_size: int, world_size: int) -> int:
             "reads one global order of a map-style data set (see docs/multi-node.md); pass "
             "one, or build your own DataLoader over an iterable data set"
         ) from None
-    needed = micro_batch_size * world_size
+    needed = micro_batch_size * data_size
     if size == 0:
         raise UsageError(
             "training_data is empty (0 samples); pass a data set with at least "
-            f"{needed} samples (train_micro_batch_size_per_gpu {micro_batch_size} x world "
-            f"size {world_size})"
+            f"{needed} samples (train_micro_batch_size_per_gpu {micro_batch_size} x "
+            f"{data_size} data ranks)"
         )
     if size < needed:
         raise UsageError(
             f"training_data has {size} samples, fewer than one micro-batch on every rank "
-            f"(train_micro_batch_size_per_gpu {micro_batch_size} x world size {world_size} = "
+            f"(train_micro_batch_size_per_gpu {micro_batch_size} x {data_size} data ranks = "
             f"{needed}); lower train_micro_batch_size_per_gpu to at most "
-            f"{max(1, size // world_size)}, or pass more data"
+            f"{max(1, size // data_size)}, or pass more data"
         )
     return size

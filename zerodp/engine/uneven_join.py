@@ -141,9 +141,8 @@ class JoinMethods(Joinable):
         training = notify_join(self)
         self._join_inputs = (args, kwargs)
         if training and not self._join_divide_by_initial_world_size:
-            # Join runs only where every rank is a data rank (the composition table), so the
-            # ranks still training are data ranks: average over them, not over all D.
-            self.reducer.rank_scale = self.comms.dims.data_size / training
+            # Average over the ranks still training, not over all D.
+            self.reducer.rank_scale = self.comms.dims.joined_gradient_scale(training)
 
     def _shadow_round(self) -> None:
         if self._join_inputs is None:

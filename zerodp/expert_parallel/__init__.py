@@ -2,7 +2,7 @@
 
 - `plan`: which modules of a model are its experts modules and which of their
   tensors are experts-first (a Hugging Face MoE model's own `base_model_ep_plan`,
-  or `expert_parallel.expert_pattern`);
+  or `expert_parallel.plan`);
 - `split`: the checks and the split itself (`split_experts`);
 - `record`: `ExpertSplit`, the record of which experts a rank holds, and whole
   tensors gathered back from the slices (`whole_value`);

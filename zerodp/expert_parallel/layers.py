@@ -47,7 +47,10 @@ class ExpertParallelExperts:
             out: torch.Tensor = own_forward(rows, index, weights)
             return out
 
-        params = [module._parameters[a] for a in self.expert_tensors]
+        # Every parameter the module holds, not only its expert tensors: a rank sent no row
+        # touches them all, so each gets a gradient on every rank (a norm the plan keeps whole
+        # beside the experts too).
+        params = list(module.parameters())
         return dispatch_experts(
             hidden_states,
             top_k_index,
@@ -55,7 +58,7 @@ class ExpertParallelExperts:
             group=self.expert_group,
             experts=self.expert_slice,
             local_forward=local_forward,
-            params=[p for p in params if p is not None],
+            params=params,
         )
 
     def extra_repr(self) -> str:

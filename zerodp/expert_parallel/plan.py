@@ -7,7 +7,7 @@ experts are other modules. Its forward takes the router's choice,
 `(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`.
 Where the plan comes from:
 
-1. Module-name patterns (`expert_parallel.expert_pattern`), when given: each
+1. Module-name patterns (`expert_parallel.plan`), when given: each
    names experts modules (dotted names, `*` standing for exactly one part, as in
    tensor parallelism's plans); every pattern must match at least one module, and
    every parameter a matched module holds directly is an expert tensor.
@@ -41,7 +41,7 @@ from zerodp.tensor_parallel.plan import matches
 EXPERTS_STYLE = "ep_dispatch_experts"  # a module holding the experts of one layer
 EXPERT_TENSOR_STYLE = "grouped_gemm"  # one of its experts-first fused tensors
 WHOLE_STYLE = "replicated_with_grad_allreduce"  # a parameter every rank keeps whole
-PATTERN_KEY = "expert_parallel.expert_pattern"
+PATTERN_KEY = "expert_parallel.plan"
 # Attributes in which an experts module keeps its number of experts, in the order asked.
 EXPERT_COUNT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -93,8 +93,8 @@ def read_plan(model: nn.Module, patterns: Sequence[str] | str | None) -> ExpertP
             f"expert parallelism is on, but {type(model).__name__} has no expert plan of its own "
             "(a Hugging Face MoE model's config.base_model_ep_plan): give "
             f"{PATTERN_KEY}, the names of its experts modules with '*' for one part, e.g. "
-            '["layers.*.mlp.experts"]; each must hold the experts of a layer as experts-first '
-            "tensors (docs/expert-parallel.md)"
+            '["model.layers.*.mlp.experts"]; each must hold the experts of a layer as '
+            "experts-first tensors (docs/expert-parallel.md)"
         )
     known = (EXPERTS_STYLE, EXPERT_TENSOR_STYLE, WHOLE_STYLE)
     unknown = {p: s for p, s in own.items() if s not in known}
@@ -206,14 +206,20 @@ def _expert_count(module: nn.Module) -> tuple[int, str]:
 
 
 def _module_problems(name: str, module: nn.Module, tensors: tuple[str, ...]) -> list[str]:
-    if getattr(module, "_is_expert_parallel", False) or "forward" in module.__dict__:
-        return [
-            f"'{name}' was already split (transformers' own expert parallelism, "
-            "from_pretrained(distributed_config=...), or a forward set on the instance): load "
-            "the model whole and let zerodp split it"
-        ]
     if getattr(module, "expert_group", None) is not None:
         return [f"'{name}' is split already (zerodp's expert parallelism); split a whole model"]
+    if getattr(module, "_is_expert_parallel", False):
+        return [
+            f"'{name}' was already split by transformers' own expert parallelism "
+            "(from_pretrained(distributed_config=...)): load the model whole and let zerodp "
+            "split it"
+        ]
+    if "forward" in module.__dict__:
+        return [
+            f"'{name}' has a forward set on the instance (accelerate's hooks from a "
+            "device_map or an offload, or another wrapper), which zerodp's dispatch would "
+            "bypass: load the model without device_map and without hooks on its experts"
+        ]
     count, _ = _expert_count(module)
     if count < 1:
         return [

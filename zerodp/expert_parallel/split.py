@@ -35,6 +35,7 @@ from zerodp.expert_parallel.expert_group import ExpertGroup
 from zerodp.expert_parallel.layers import make_expert_parallel
 from zerodp.expert_parallel.plan import ExpertsModule, find_experts, read_plan
 from zerodp.expert_parallel.record import ExpertSlice, ExpertSplit, ExpertTensor
+from zerodp.parallel.expert_slices import held_experts
 
 AUTOEP_KEY = "expert_parallel.autoep_size"
 Owners = dict[nn.Parameter, list[tuple[str, nn.Module, str]]]
@@ -49,7 +50,7 @@ def split_experts(
 ) -> ExpertSplit:
     """Split `module`'s experts over an EP group of `size` ranks; this rank is at place
     `rank_in_group` of `comm` (the group's `Comm`). `patterns`: names of experts modules
-    (`expert_parallel.expert_pattern`), or None for the model's own plan.
+    (`expert_parallel.plan`), or None for the model's own plan.
 
     Raises `ConfigError` naming the fix, changing nothing, when the model cannot be split
     so. With `size` 1 nothing changes: the record says every expert is held here.
@@ -115,8 +116,8 @@ def _apply(experts: list[ExpertsModule], owners: Owners, group: ExpertGroup) -> 
     by_param: dict[nn.Parameter, ExpertTensor] = {}
     done: set[nn.Parameter] = set()  # split already (a tied tensor is split once)
     for found in experts:
-        local = found.num_experts // group.size
-        held = ExpertSlice(found.num_experts, local, group.rank * local)
+        kept = held_experts(found.num_experts, group.size, group.rank)
+        held = ExpertSlice(found.num_experts, len(kept), kept.start)
         modules[found.name] = held
         for attribute in found.tensors:
             whole = found.module._parameters[attribute]

@@ -51,6 +51,7 @@ except ImportError as _error:  # pragma: no cover - depends on the environment
     ) from _error
 
 import zerodp
+from zerodp.config.fields import parallel_size
 from zerodp.errors import CheckpointError, ConfigError, UsageError
 from zerodp.integrations.trainer_config import AUTO, ConfigFiller, mismatch_error, read_config
 from zerodp.parallel.composition import Dimension, Feature, refusal
@@ -76,14 +77,7 @@ class ZeroDPStrategy(DDPStrategy):
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
         data = read_config(config)  # a bad path or type fails here, not in fit()
-        tensor = data.get("tensor_parallel", {})
-        sizes = {
-            Dimension.SEQUENCE: _size(data.get("sequence_parallel_size", 1)),
-            Dimension.TENSOR: _size(
-                tensor.get("autotp_size", 1) if isinstance(tensor, dict) else 1
-            ),
-        }
-        refused = refusal(Feature.LIGHTNING, sizes)
+        refused = refusal(Feature.LIGHTNING, _dimension_sizes(data))
         if refused is not None:
             raise ConfigError(refused)
         super().__init__(**kwargs)
@@ -390,6 +384,21 @@ def _refuse_unsupported(trainer: pl.Trainer, module: pl.LightningModule, precisi
         raise UsageError("ZeroDPStrategy does not support " + "; ".join(problems))
 
 
-def _size(value: Any) -> int:
-    """A dimension's size as the config wrote it (the engine checks it; here only > 1 counts)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+def _dimension_sizes(data: dict[str, Any]) -> dict[Dimension, int]:
+    """Every dimension's size as the config wrote it, read before the Trainer fills its
+    "auto" keys (so not through the config model, which needs them)."""
+    tensor = data.get("tensor_parallel", {})
+    expert = data.get("expert_parallel", {})
+    expert_on = isinstance(expert, dict) and expert.get("enabled") is True
+    return {
+        Dimension.SEQUENCE: parallel_size(
+            data.get("sequence_parallel_size"), "sequence_parallel_size"
+        ),
+        Dimension.TENSOR: parallel_size(
+            tensor.get("autotp_size") if isinstance(tensor, dict) else None,
+            "tensor_parallel.autotp_size",
+        ),
+        Dimension.EXPERT: parallel_size(
+            expert.get("autoep_size") if expert_on else None, "expert_parallel.autoep_size"
+        ),
+    }

@@ -10,7 +10,7 @@ the arguments. The rules are HF's for DeepSpeed:
 |---|---|---|
 | train_micro_batch_size_per_gpu | per_device_train_batch_size | filled |
 | gradient_accumulation_steps | gradient_accumulation_steps | filled |
-| train_batch_size | micro batch x accumulation steps x data ranks (world / autotp_size) | filled |
+| train_batch_size | micro batch x accumulation steps x data ranks (world / (S x T)) | filled |
 | gradient_clipping | max_grad_norm | filled |
 | optimizer.params.lr / betas | learning_rate / [adam_beta1, adam_beta2] | left out |
 | optimizer.params.eps / weight_decay | adam_epsilon / weight_decay | left out |

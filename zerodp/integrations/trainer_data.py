@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerodp.config.fields import parallel_size
 from zerodp.integrations.trainer_config import read_config
 from zerodp.parallel import ParallelDims
 
@@ -27,8 +28,8 @@ def trainer_dims(
     alike, rather than training on loaders split some other way.
     """
     block = read_config(zerodp_config).get("tensor_parallel")
-    size = block.get("autotp_size", 1) if isinstance(block, dict) else 1
-    tensor = size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+    size = block.get("autotp_size") if isinstance(block, dict) else None
+    tensor = parallel_size(size, "tensor_parallel.autotp_size")
     return ParallelDims.build(world_size, rank, sequence_size=sequence_size, tensor_size=tensor)
 
 

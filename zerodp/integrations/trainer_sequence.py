@@ -35,6 +35,7 @@ import torch
 from transformers import Trainer
 
 import zerodp
+from zerodp.config.fields import parallel_size
 from zerodp.errors import ConfigError
 from zerodp.integrations.trainer_data import route_data_loaders
 from zerodp.parallel import ParallelDims
@@ -43,10 +44,9 @@ SEQUENCE_KEY = "sequence_parallel_size"
 
 
 def sequence_size_of(config: dict[str, Any]) -> int:
-    """S of a zerodp config dict (1 without the key); a value that is not a positive int is
-    left to the config's own validation, which names it."""
-    value = config.get(SEQUENCE_KEY, 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+    """S of a zerodp config dict (1 without the key); `ConfigError` for a value that is not
+    a positive integer, before any loader is split by it."""
+    return parallel_size(config.get(SEQUENCE_KEY), SEQUENCE_KEY)
 
 
 def refuse_accelerate_parallelism(parallelism: Any, where: str) -> None:

@@ -315,12 +315,15 @@ def markdown_table() -> str:
             cells.append(f"composes (`{cell.note}`)" if cell.composes else f"refused: {cell.note}")
         name = f"{feature.title} (`{feature.how}`)"
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    rows: dict[Dimension, dict[Dimension, str]] = {}  # one row per dimension, each pair once
     for pair, cell in PAIRS.items():
         first, second = sorted(pair, key=dimensions.index)
         shown = f"composes (`{cell.note}`)" if cell.composes else f"refused: {cell.note}"
+        rows.setdefault(second, {})[first] = shown
+    for second in sorted(rows, key=dimensions.index):
         lines.append(
             f"| {second.title} (`{second.key}`) | "
-            + " | ".join(shown if d is first else "" for d in dimensions)
+            + " | ".join(rows[second].get(d, "") for d in dimensions)
             + " |"
         )
     return "\n".join(lines)

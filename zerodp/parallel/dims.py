@@ -68,6 +68,8 @@ The rules, written here only:
    dimension, tensor rank t holding range t (`tensor_slices`); a checkpoint saved at T
    and loaded at T' asks the saved dims for the saved parts and its own for its slice
    (`zerodp.parallel.tensor_slices`: which saved rows make up a piece of another cut).
+9. Expert slices: an MoE layer's experts are cut into E equal consecutive ranges, EP
+   rank k holding range k (`expert_slice`, `zerodp.parallel.expert_slices`).
 
 Which features compose with which dimension is the table beside this module
 (`zerodp.parallel.composition`), not a rule scattered over the code.
@@ -78,6 +80,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerodp.errors import ConfigError
+from zerodp.parallel.expert_slices import held_experts
 from zerodp.parallel.saved_layouts import SavedLayoutRules
 from zerodp.parallel.sequence_slice import SequenceSlice
 from zerodp.parallel.sizes import size_problems
@@ -175,6 +178,22 @@ class ParallelDims(SavedLayoutRules):
         return self.sequence_size * self.tensor_size
 
     @property
+    def is_flat(self) -> bool:
+        """Whether one group of every rank shards everything and nothing else splits: the
+        run needs no process group beyond the world."""
+        return (
+            self.shard_group_size == self.world_size
+            and self.secondary_size <= 1
+            and self.ranks_per_batch == self.expert_size == 1
+        )
+
+    @property
+    def shard_span(self) -> int:
+        """The consecutive ranks one shard group spreads over (its Z x S places, each with
+        its T tensor ranks inside): what must fit the nodes."""
+        return self.shard_group_size * self.tensor_size
+
+    @property
     def splits_experts(self) -> bool:
         return self.expert_size > 1
 
@@ -229,6 +248,10 @@ class ParallelDims(SavedLayoutRules):
     def sequence_slice(self, length: int) -> SequenceSlice:
         """The tokens of a `length`-token sequence this rank holds (rule 5)."""
         return SequenceSlice.of(length, self.sequence_size, self.sequence_rank)
+
+    def expert_slice(self, num_experts: int) -> range:
+        """The experts of an MoE layer of `num_experts` this rank holds (rule 9)."""
+        return held_experts(num_experts, self.expert_size, self.expert_rank)
 
     # -- groups --------------------------------------------------------------------------
 
@@ -390,6 +413,14 @@ class ParallelDims(SavedLayoutRules):
                 "sum over the slice group"
             )
         raise ValueError(f"gradients are not reduced over {label!r} groups")
+
+    def joined_gradient_scale(self, training_ranks: int) -> float:
+        """Rule 1 inside `engine.join()`, where ranks that ran out contribute zeros: what the
+        gradient averaged over all D data ranks is multiplied by to be the mean over the
+        `training_ranks` still training (join runs only where every rank is a data rank)."""
+        if not 0 < training_ranks <= self.data_size:
+            raise ValueError(f"{training_ranks} training ranks of {self.data_size} data ranks")
+        return self.data_size / training_ranks
 
     def reported_value_divisor(self) -> int:
         """What a per-batch value (a loss) summed over the world is divided by for its mean
