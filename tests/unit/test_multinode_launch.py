@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from zerodp.errors import ConfigError
 from zerodp.launch import host_supervisor, remote_env, runner
 from zerodp.launch.hostfile import LaunchError
+from zerodp.launch.local_rank import deepspeed_environment, tasks_per_node
 from zerodp.launch.multinode_runner import unattended_options
 
 ENV = {"PATH": "/usr/bin", "PDSH_SSH_ARGS_APPEND": "-o ConnectTimeout=9 -i key"}
@@ -263,3 +265,29 @@ def test_other_launchers_and_torchrun_options_under_srun_are_refused(hostfile: P
         runner.plan_run(
             ["--hostfile", str(hostfile), "--launcher", "slurm", "--max-restarts", "2", "train.py"]
         )
+
+
+def test_srun_tasks_get_deepspeeds_node_layout_from_srun() -> None:
+    srun_task = {
+        "SLURM_PROCID": "6",
+        "SLURM_NTASKS": "7",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODELIST": "n[1-4]",
+        "SLURM_NODEID": "3",
+        "SLURM_NNODES": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x3),1",
+        "SLURM_TASKS_PER_NODE": "2(x4)",  # the allocation's: the step's comes first
+    }
+    deepspeed_environment(env := dict(srun_task))
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("6", "0", "7")
+    assert (env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"]) == ("1", "3", "4")
+    del srun_task["SLURM_STEP_TASKS_PER_NODE"]
+    deepspeed_environment(env := {**srun_task, "SLURM_NODEID": "1", "SLURM_NTASKS": "8"})
+    assert (env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"]) == ("2", "1", "4")
+    # torchrun's layout wins where torchrun started the process (srun torchrun ...).
+    torchrun = {**srun_task, "RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    deepspeed_environment(env := {**torchrun, "GROUP_RANK": "1"})
+    assert (env["LOCAL_SIZE"], env["CROSS_RANK"], env["CROSS_SIZE"]) == ("4", "1", "2")
+    assert tasks_per_node("3,2(x2)") == [3, 2, 2]
+    with pytest.raises(ConfigError, match=r"SLURM tasks per node '2\(x\)': expected"):
+        tasks_per_node("2(x)")
