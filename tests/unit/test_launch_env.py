@@ -103,6 +103,56 @@ def test_pmi_environment_becomes_torchruns() -> None:
     assert launch.torchrun_variables["WORLD_SIZE"] == "2"
 
 
+def test_mvapich_environment_gives_each_rank_its_local_rank() -> None:
+    env = {
+        "MV2_COMM_WORLD_RANK": "3",
+        "MV2_COMM_WORLD_SIZE": "4",
+        "MV2_COMM_WORLD_LOCAL_RANK": "1",
+        "MV2_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_ADDR": "n0",
+    }
+    variables = read_launch_env(env).torchrun_variables
+    assert (variables["LOCAL_RANK"], variables["LOCAL_WORLD_SIZE"]) == ("1", "2")
+    with pytest.raises(ConfigError, match="MV2_COMM_WORLD_LOCAL_RANK not set"):
+        read_launch_env({k: v for k, v in env.items() if k != "MV2_COMM_WORLD_LOCAL_RANK"})
+
+
+SRUN_PMI2 = {  # srun --mpi=pmi2 python train.py: PMI's rank and size, no MPI_LOCALRANKID
+    "PMI_RANK": "3",
+    "PMI_SIZE": "4",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODELIST": "node[07-08]",
+}
+
+
+def test_srun_with_pmi2_is_read_from_slurms_variables() -> None:
+    launch = read_launch_env(SRUN_PMI2)
+    assert launch.launcher == "srun (SLURM)"
+    assert launch.torchrun_variables["LOCAL_RANK"] == "1"
+    assert launch.torchrun_variables["MASTER_ADDR"] == "node07"
+    # The step's count is the world PMI_SIZE is compared with.
+    stepped = {**SRUN_PMI2, "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4"}
+    assert read_launch_env(stepped).world_size == 4
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        # The batch script's SLURM variables around an mpiexec: another rank, another world.
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, "SLURM_PROCID=0, SLURM_NTASKS=1"),
+        ({"SLURM_NTASKS": "8"}, "give another rank or world size"),
+        ({"SLURM_LOCALID": ""}, r"MPI_LOCALRANKID not set \(while PMI_RANK, PMI_SIZE is\);"),
+    ],
+)
+def test_partial_pmi_without_an_agreeing_complete_launcher_is_still_an_error(
+    change: dict[str, str], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=named):
+        read_launch_env({**SRUN_PMI2, **change})
+
+
 def test_torchruns_own_environment_is_used_as_it_is() -> None:
     env = {"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "5", "SLURM_NTASKS": "8"}
     launch = read_launch_env(env)

@@ -5,11 +5,12 @@
 start jobs otherwise: `srun python train.py` gives each task `SLURM_PROCID`,
 `SLURM_NTASKS` (`SLURM_STEP_NUM_TASKS` first: the step's), `SLURM_LOCALID` and the
 job's hosts in `SLURM_NODELIST`; Open MPI's `mpirun` gives `OMPI_COMM_WORLD_RANK`,
-`_SIZE` and `_LOCAL_RANK`; MPICH and Intel MPI
-(hydra) give `PMI_RANK` and `PMI_SIZE`. When torchrun's variables are absent, this
-module reads those and writes torchrun's from them, so that everything after it (the
-process group's `env://` rendezvous, the device a rank picks from `LOCAL_RANK`, the
-node layout from `LOCAL_WORLD_SIZE`, a script that reads `RANK`) sees one launcher.
+`_SIZE` and `_LOCAL_RANK`; MVAPICH's `MV2_COMM_WORLD_RANK`, `_SIZE` and `_LOCAL_RANK`;
+MPICH and Intel MPI (hydra) give `PMI_RANK`, `PMI_SIZE` and `MPI_LOCALRANKID`. When
+torchrun's variables are absent, this module reads those and writes torchrun's from
+them, so that everything after it (the process group's `env://` rendezvous, the device
+a rank picks from `LOCAL_RANK`, the node layout from `LOCAL_WORLD_SIZE`, a script that
+reads `RANK`) sees one launcher.
 
 The master (rank 0's host, where the rendezvous store listens) is `MASTER_ADDR` when
 set; under srun, the first host of the step's node list (rank 0 runs there); under
@@ -19,6 +20,11 @@ an error asking for `MASTER_ADDR`. The port is `MASTER_PORT`, else `DEFAULT_MAST
 A partial environment (`RANK` without `WORLD_SIZE`, `SLURM_PROCID` without
 `SLURM_NTASKS`, a rank outside the world) is a `ConfigError` naming what is missing: it
 never falls back to a world of one, where each process would train alone without a word.
+One launcher's partial variables give way to a later launcher whose variables are complete
+and give the same rank and world size: srun's pmi2 plugin (`srun --mpi=pmi2`, the default
+on many clusters) sets `PMI_RANK` and `PMI_SIZE` but no `MPI_LOCALRANKID`, and srun's own
+variables then say the rest. A later launcher that disagrees (the SLURM variables of the
+batch script around an `mpiexec`) is no such source: the error stands.
 """
 
 from __future__ import annotations
@@ -60,7 +66,13 @@ LAUNCHERS: tuple[Launcher, ...] = (
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
-    Launcher("mpirun (MVAPICH)", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", None, None),
+    Launcher(
+        "mpirun (MVAPICH)",
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+    ),
     Launcher("mpirun (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     Launcher(
         "srun (SLURM)",
@@ -105,10 +117,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         world = _count(env, "WORLD_SIZE", minimum=1)
         _rank_below(_count(env, "RANK"), world, "RANK", "WORLD_SIZE")
         return LaunchEnv("torchrun", world, {}, rendezvous=True)
-    for launcher in LAUNCHERS:
-        if launcher.rank in env or launcher.size in env:
-            return _from_launcher(launcher, env)
-    return LaunchEnv("none (a single process)", 1, {}, rendezvous=False)
+    present = [_stepped(one, env) for one in LAUNCHERS if one.rank in env or one.size in env]
+    if not present:
+        return LaunchEnv("none (a single process)", 1, {}, rendezvous=False)
+    return _from_launcher(_complete_launcher(present, env), env)
 
 
 def adopt_launch_env() -> LaunchEnv:
@@ -119,20 +131,58 @@ def adopt_launch_env() -> LaunchEnv:
     return launch
 
 
-def _from_launcher(launcher: Launcher, env: Mapping[str, str]) -> LaunchEnv:
+def _stepped(launcher: Launcher, env: Mapping[str, str]) -> Launcher:
+    """`launcher` with the job step's own count as its size, when the step gives one."""
     if launcher.step_size is not None and env.get(launcher.step_size, "").strip():
-        launcher = dataclasses.replace(launcher, size=launcher.step_size)
+        return dataclasses.replace(launcher, size=launcher.step_size)
+    return launcher
+
+
+def _missing(launcher: Launcher, env: Mapping[str, str]) -> list[str]:
     wanted = [launcher.rank, launcher.size]
     if launcher.local_rank is not None:
         wanted.append(launcher.local_rank)
-    missing = [name for name in wanted if not env.get(name, "").strip()]
-    if missing:
-        present = [name for name in wanted if name not in missing]
-        raise ConfigError(
-            f"the environment of {launcher.name} is partial: {', '.join(missing)} not set "
-            f"(while {', '.join(present)} is); start every process with {launcher.name.split()[0]}"
-            ", or set torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+    return [name for name in wanted if not env.get(name, "").strip()]
+
+
+def _complete_launcher(present: list[Launcher], env: Mapping[str, str]) -> Launcher:
+    """The first of `present` (in precedence order) whose variables are complete, when
+    every partial one before it agrees with it on the rank and world size it gives (srun's
+    pmi2 plugin: PMI_RANK and PMI_SIZE, no MPI_LOCALRANKID); else a `ConfigError` naming
+    what the first one lacks."""
+    other = ""
+    for index, launcher in enumerate(present):
+        if _missing(launcher, env):
+            continue
+        if all(_agrees(partial, launcher, env) for partial in present[:index]):
+            return launcher
+        other = (
+            f"; the variables of {launcher.name} are complete but give another rank or world "
+            f"size ({launcher.rank}={env[launcher.rank]}, {launcher.size}={env[launcher.size]})"
         )
+        break
+    first = present[0]
+    missing = _missing(first, env)
+    given = [n for n in (first.rank, first.size, first.local_rank) if n and n not in missing]
+    set_beside = f" (while {', '.join(given)} is)" if given else ""
+    raise ConfigError(
+        f"the environment of {first.name} is partial: {', '.join(missing)} not set"
+        f"{set_beside}{other}; start every process with {first.name.split()[0]}, or set "
+        "torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+    )
+
+
+def _agrees(partial: Launcher, complete: Launcher, env: Mapping[str, str]) -> bool:
+    """Whether the rank and world size `partial` gives are `complete`'s (the same launch)."""
+    pairs = ((partial.rank, complete.rank), (partial.size, complete.size))
+    return all(
+        env[mine].strip() == env[theirs].strip()
+        for mine, theirs in pairs
+        if env.get(mine, "").strip()
+    )
+
+
+def _from_launcher(launcher: Launcher, env: Mapping[str, str]) -> LaunchEnv:
     world = _count(env, launcher.size, minimum=1)
     rank = _rank_below(_count(env, launcher.rank), world, launcher.rank, launcher.size)
     local_rank = _count(env, launcher.local_rank) if launcher.local_rank else 0

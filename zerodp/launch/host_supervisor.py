@@ -5,15 +5,25 @@ first failed host's (its failed rank's, as `zerodp run` reports it on one machin
 soon as one host fails, the others are stopped: over ssh by closing each one's input
 (its node agent stops torchrun and every process below it), then by the stop command
 for any still running, then by ending the local ssh; over pdsh by the stop command on
-every host. A signal to the launcher (Ctrl-C, SIGTERM) stops every host the same way.
-So a failed run leaves no process behind on any host (DeepSpeed's launcher returned 0
-for failed nodes, issue #1722, and left the others running).
+every host, under the environment the launch had (its `PDSH_RCMD_TYPE`, its ssh options
+and port). The stop commands run side by side, each for at most `STOP_TIMEOUT_S`; one
+that fails or hangs (a dead host) is reported and the others go on, and the local ssh
+or pdsh processes still left are killed at the end whatever the stops did. A signal to
+the launcher (Ctrl-C, SIGTERM) stops every host the same way. So a failed run leaves no
+process behind on any host (DeepSpeed's launcher returned 0 for failed nodes, issue
+#1722, and left the others running).
+
+Under srun and mpirun, which stop every process of the job themselves, the launcher's
+SIGTERM and SIGINT are passed on to srun or mpirun (a SIGTERM would otherwise end the
+launcher alone and leave the job running).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -28,6 +38,10 @@ from zerodp.launch.multinode_runner import HostLaunch
 from zerodp.launch.node_agent import STOP_GRACE_S
 
 POLL_S = 0.2
+STOP_TIMEOUT_S = STOP_GRACE_S + 30
+"""How long a stop command may run (its agents take up to STOP_GRACE_S to stop)."""
+KILL_AFTER_S = STOP_GRACE_S + 10
+"""How long the local ssh / pdsh processes get to end after the stops before being killed."""
 _PDSH_FAILURE = re.compile(r"^pdsh@\S+: (\S+): .*exit(?:ed with exit)? code (\d+)")
 
 
@@ -38,17 +52,21 @@ def launch_on_hosts(launch: HostLaunch, environ: Mapping[str, str] | None = None
     if launcher in ("slurm", "openmpi"):
         command = launch.srun_command() if launcher == "slurm" else launch.mpirun_command()
         return _run_one(command, env)
+    pdsh = shutil.which("pdsh", path=env.get("PATH")) is not None
+    if not pdsh:
+        launch.refuse_launcher_args_over_ssh()
     master = launch.several.master_addr or ask_address(launch, env)
-    if shutil.which("pdsh", path=env.get("PATH")):
+    if pdsh:
         command = launch.pdsh_command(master)
         return _Supervisor(launch, env, pdsh=True).run([command], launch.pdsh_environment(env))
     return _Supervisor(launch, env, pdsh=False).run(launch.ssh_commands(master, env), env)
 
 
 def ask_address(launch: HostLaunch, env: Mapping[str, str]) -> str:
-    """The first host's address (`hostname -I` there, as DeepSpeed asks it)."""
+    """The first host's address (`hostname -I` there, as DeepSpeed asks it), over ssh with
+    the user's ssh options (never `--launcher_args`, which are pdsh's)."""
     host = launch.hosts[0]
-    command = ["ssh", *launch.ssh_options(env), *launch.several.launcher_args, host, "hostname -I"]
+    command = ["ssh", *launch.ssh_options(env), host, "hostname -I"]
     try:
         done = subprocess.run(
             command, env=dict(env), capture_output=True, text=True, timeout=60, check=False
@@ -67,22 +85,56 @@ def ask_address(launch: HostLaunch, env: Mapping[str, str]) -> str:
 
 
 def _run_one(command: list[str], env: dict[str, str]) -> int:
-    """srun or mpirun: they stop every process of the job when one fails themselves."""
+    """srun or mpirun: they stop every process of the job when one fails themselves, and
+    when they get SIGTERM or SIGINT, which the launcher passes on to them (a Ctrl-C in a
+    terminal reaches srun twice then, which srun takes as: cancel the step)."""
     print(f"zerodp run: {' '.join(command)}", file=sys.stderr, flush=True)
     process = subprocess.Popen(command, env=env)
+
+    def forward(signum: int, _frame: Any) -> None:
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_stops(commands: list[list[str]], env: Mapping[str, str], timeout: float) -> None:
+    """Run the stop commands side by side, each for at most `timeout` seconds; one that
+    cannot start or does not end in time is reported (and killed), never raised: the
+    launcher must still end its local processes."""
+    started: list[tuple[list[str], subprocess.Popen[bytes]]] = []
+    for command in commands:
+        try:
+            started.append(
+                (command, subprocess.Popen(command, env=dict(env), stdin=subprocess.DEVNULL))
+            )
+        except OSError as error:
+            _warn(f"could not run the stop command {shlex.join(command)}: {error}")
+    deadline = time.monotonic() + timeout
+    for command, process in started:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            _warn(f"the stop command {shlex.join(command)} did not end in {timeout:.0f} s")
+
+
+def _warn(text: str) -> None:
+    print(f"zerodp run: {text}; ending the local processes", file=sys.stderr, flush=True)
 
 
 class _Supervisor:
     """The local ssh (or pdsh) processes of one launch, and how to stop their hosts."""
 
-    def __init__(self, launch: HostLaunch, env: dict[str, str], *, pdsh: bool) -> None:
+    def __init__(self, launch: HostLaunch, environ: Mapping[str, str], *, pdsh: bool) -> None:
         self.launch = launch
-        self.env = env
+        self.environ = dict(environ)  # the launcher's: the stops' environment is made of it
         self.pdsh = pdsh
         self.processes: list[subprocess.Popen[bytes]] = []
         self.failure: tuple[str, int] | None = None  # pdsh: the host and status it reported
@@ -140,19 +192,23 @@ class _Supervisor:
         running = [i for i, process in enumerate(self.processes) if process.poll() is None]
         if not running:
             return
-        for i in running:  # ssh: the agent stops at the end of its input
-            stdin = self.processes[i].stdin
-            if stdin is not None:
-                stdin.close()
-        if not self._ended(running, 5.0) or self.pdsh:
-            hosts = self.launch.hosts if self.pdsh else [self.launch.hosts[i] for i in running]
-            for command in self.launch.stop_commands(hosts, self.pdsh, self.env):
-                subprocess.run(command, env=self.env, timeout=STOP_GRACE_S + 30, check=False)
-        if not self._ended(running, STOP_GRACE_S + 10):
+        try:
+            for i in running:  # ssh: the agent stops at the end of its input
+                stdin = self.processes[i].stdin
+                if stdin is not None:
+                    with contextlib.suppress(OSError):
+                        stdin.close()
+            if self.pdsh or not self._ended(running, 5.0):
+                hosts = self.launch.hosts if self.pdsh else [self.launch.hosts[i] for i in running]
+                commands = self.launch.stop_commands(hosts, self.pdsh, self.environ)
+                env = self.launch.stop_environment(self.environ, self.pdsh)
+                run_stops(commands, env, STOP_TIMEOUT_S)
+        finally:
+            if not self._ended(running, KILL_AFTER_S):
+                for i in running:
+                    self.processes[i].kill()
             for i in running:
-                self.processes[i].kill()
-        for i in running:
-            self.processes[i].wait()
+                self.processes[i].wait()
 
     def _ended(self, indices: list[int], seconds: float) -> bool:
         deadline = time.monotonic() + seconds

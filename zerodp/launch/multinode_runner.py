@@ -1,27 +1,34 @@
 """The commands that start a run on several hosts (pure: nothing runs here).
 
 - `--launcher pdsh` (the default, as DeepSpeed's): one `pdsh` command for every host when
-  pdsh is installed (its `%n` is the host's node rank), otherwise one `ssh` per host.
+  pdsh is installed (its `%n` is the host's node rank; every other `%` of the command is
+  written `%%`, which pdsh turns back into `%`), otherwise one `ssh` per host.
   Each host runs zerodp's node agent (`zerodp.launch.node_agent`), which runs torchrun
   with the host's node rank, process count, devices and the master's address and port,
   under the exported environment (`zerodp.launch.remote_env`). Over ssh the agent also
   watches its standard input: when the launcher closes it (or the connection drops) the
   host's processes are stopped. `stop_commands` stop a run's agents on each host
-  (pdsh forwards no input).
+  (pdsh forwards no input), with ssh options that neither ask for a password nor wait
+  long for a dead host (`UNATTENDED_SSH_OPTIONS`, unless the user's options set them).
 - `--launcher slurm`: one `srun` for every process (`--kill-on-bad-exit`: one failed task
   ends the step); `--launcher openmpi`: one `mpirun`. Each process runs the script
-  itself, and `zerodp.initialize` reads its rank from srun's or mpirun's variables
-  (`zerodp.comm.launch_env`).
+  itself under `sh -c`, which sets the exports first (the host's shell expands an env
+  file's values, as over ssh and pdsh), and `zerodp.initialize` reads its rank from srun's
+  or mpirun's variables (`zerodp.comm.launch_env`).
 
-The user's ssh options are kept: `PDSH_SSH_ARGS_APPEND` (pdsh's variable for them) goes
-to ssh as it is, and `--ssh_port` and `--launcher_args` are added, never put in its place.
+`--launcher_args` are the launcher program's arguments, as in DeepSpeed: pdsh's (never
+ssh's: without pdsh they are refused), srun's or mpirun's. The user's ssh options are
+`PDSH_SSH_ARGS_APPEND` (pdsh's variable for them), which goes to ssh as it is (the
+address lookup's and the ssh fallback's too), with `--ssh_port` added, never put in its
+place.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zerodp.launch.deepspeed_flags import SeveralHosts
@@ -31,6 +38,9 @@ from zerodp.launch.remote_env import Exports
 
 PDSH_FAN_OUT = 1024  # DeepSpeed's pdsh fan-out
 SSH_ARGS_VARIABLE = "PDSH_SSH_ARGS_APPEND"
+UNATTENDED_SSH_OPTIONS = (("BatchMode", "yes"), ("ConnectTimeout", "10"))
+"""The stop commands' ssh options, where the user's set none of them: a stop runs while
+the launcher is ending, with nobody to type a password and a host that may be gone."""
 
 
 @dataclass(frozen=True)
@@ -80,46 +90,81 @@ class HostLaunch:
         return shlex.join([sys.executable, NODE_AGENT, "--stop", self.run_id])
 
     def ssh_options(self, environ: Mapping[str, str]) -> list[str]:
-        """The user's ssh options (`PDSH_SSH_ARGS_APPEND`), then `--ssh_port`, then
-        `--launcher_args`."""
+        """The user's ssh options (`PDSH_SSH_ARGS_APPEND`), then `--ssh_port`."""
         options = shlex.split(environ.get(SSH_ARGS_VARIABLE, ""))
         if self.several.ssh_port is not None:
             options += ["-p", str(self.several.ssh_port)]
         return options
 
+    def refuse_launcher_args_over_ssh(self) -> None:
+        """`--launcher_args` are pdsh's (as DeepSpeed passes them): without pdsh there is
+        no program to give them to, and ssh would read them otherwise."""
+        if self.several.launcher_args:
+            raise LaunchError(
+                f"--launcher_args {shlex.join(self.several.launcher_args)!r} are pdsh's "
+                "arguments (as with DeepSpeed), and pdsh is not installed here, so each host "
+                "would be reached with ssh; install pdsh, or drop --launcher_args and give "
+                f"ssh's options in {SSH_ARGS_VARIABLE} (the port with --ssh_port)"
+            )
+
     def ssh_commands(self, master_addr: str, environ: Mapping[str, str]) -> list[list[str]]:
         """One ssh per host, node ranks in the hostfile's order."""
-        options = [*self.ssh_options(environ), *self.several.launcher_args]
+        options = self.ssh_options(environ)
         return [
             ["ssh", *options, host, self.node_command(str(rank), master_addr, watch_stdin=True)]
             for rank, host in enumerate(self.hosts)
         ]
 
     def pdsh_command(self, master_addr: str) -> list[str]:
-        """One pdsh for every host; pdsh writes each host's node rank for `%n`."""
+        """One pdsh for every host; pdsh writes each host's node rank for `%n`, and every
+        other `%` is escaped (pdsh rewrites `%h`, `%u`, `%n` in any argument)."""
+        placeholder = f"@zerodp-node-rank-{self.run_id}@"
+        text = pdsh_literal(self.node_command(placeholder, master_addr, watch_stdin=False))
         return [
             *("pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", ",".join(self.hosts)),
             *self.several.launcher_args,
-            self.node_command("%n", master_addr, watch_stdin=False),
+            text.replace(placeholder, "%n"),
         ]
 
-    def pdsh_environment(self, environ: Mapping[str, str]) -> dict[str, str]:
+    def pdsh_environment(
+        self, environ: Mapping[str, str], extra_ssh_options: Sequence[str] = ()
+    ) -> dict[str, str]:
         """pdsh's variables: ssh as its remote shell (unless chosen), the user's ssh options
-        with `--ssh_port` added to them."""
+        as they are written (pdsh splits them at spaces) with `--ssh_port` added to them."""
         env = dict(environ)
         env.setdefault("PDSH_RCMD_TYPE", "ssh")
+        added = list(extra_ssh_options)
         if self.several.ssh_port is not None:
-            env[SSH_ARGS_VARIABLE] = shlex.join(self.ssh_options(environ))
+            added = ["-p", str(self.several.ssh_port), *added]
+        if added:
+            own = environ.get(SSH_ARGS_VARIABLE, "").strip()
+            env[SSH_ARGS_VARIABLE] = " ".join([own, *added] if own else added)
         return env
 
     def stop_commands(
         self, hosts: list[str], pdsh: bool, environ: Mapping[str, str]
     ) -> list[list[str]]:
-        """Commands that stop this run's node agents on `hosts`."""
+        """Commands that stop this run's node agents on `hosts` (run them with
+        `stop_environment`)."""
         if pdsh:
-            return [["pdsh", "-f", str(PDSH_FAN_OUT), "-w", ",".join(hosts), self.stop_text()]]
-        options = [*self.ssh_options(environ), *self.several.launcher_args]
+            return [
+                [
+                    *("pdsh", "-f", str(PDSH_FAN_OUT), "-w", ",".join(hosts)),
+                    *self.several.launcher_args,
+                    pdsh_literal(self.stop_text()),
+                ]
+            ]
+        options = self.ssh_options(environ)
+        options += unattended_options(options)
         return [["ssh", *options, host, self.stop_text()] for host in hosts]
+
+    def stop_environment(self, environ: Mapping[str, str], pdsh: bool) -> dict[str, str]:
+        """The launch's own environment (pdsh's variables over pdsh), with the unattended
+        ssh options added to pdsh's."""
+        if not pdsh:
+            return dict(environ)
+        given = shlex.split(environ.get(SSH_ARGS_VARIABLE, ""))
+        return self.pdsh_environment(environ, unattended_options(given))
 
     # -- srun and mpirun: one command for every process -----------------------------------
 
@@ -135,10 +180,11 @@ class HostLaunch:
         return counts.pop()
 
     def _with_exports(self) -> list[str]:
-        """The process's command, the exports set by `env` first (values as they are: no
-        shell expands them here)."""
-        pairs = [f"{name}={value}" for name, value in self.exports.values.items()]
-        return ["env", *pairs, *self.direct_command]
+        """The process's command, run by the host's shell after the exports, as over ssh
+        and pdsh: an env file's `$LD_LIBRARY_PATH` is the host's, a forwarded value is
+        quoted; `exec "$@"` then runs the command's words as they are."""
+        text = f'{self.exports.shell_text()}exec "$@"'
+        return ["sh", "-c", text, "sh", *self.direct_command]
 
     def srun_command(self) -> list[str]:
         per_node = self._per_node("slurm")
@@ -161,6 +207,31 @@ class HostLaunch:
             *self.several.launcher_args,
             *self._with_exports(),
         ]
+
+
+def pdsh_literal(text: str) -> str:
+    """`text` with every `%` escaped, so that pdsh passes it on as it is."""
+    return text.replace("%", "%%")
+
+
+def unattended_options(options: Sequence[str]) -> list[str]:
+    """The `-o Name=value` options of `UNATTENDED_SSH_OPTIONS` that `options` (ssh's
+    command line) does not set itself: the user's choice is never overridden."""
+    given = set()
+    for index, word in enumerate(options):
+        if word == "-o" and index + 1 < len(options):
+            text = options[index + 1]
+        elif word.startswith("-o") and len(word) > 2:
+            text = word[2:]
+        else:
+            continue
+        given.add(re.split(r"[\s=]", text.strip(), maxsplit=1)[0].lower())
+    return [
+        word
+        for name, value in UNATTENDED_SSH_OPTIONS
+        if name.lower() not in given
+        for word in ("-o", f"{name}={value}")
+    ]
 
 
 def direct_command(target: list[str], *, module: bool, no_python: bool) -> list[str]:

@@ -324,14 +324,18 @@ def _mode(parsed: argparse.Namespace) -> str:
 
 
 def _check_installed(hosts: multinode_runner.HostLaunch) -> None:
-    """srun and mpirun must be here; otherwise the error names the command to run."""
+    """srun and mpirun must be here, pdsh or ssh for `--launcher pdsh` (and pdsh for
+    `--launcher_args`, which are its own); otherwise the error names what to do."""
     launcher = hosts.several.launcher
     if launcher == "pdsh":
-        if not (shutil.which("pdsh") or shutil.which("ssh")):
+        if shutil.which("pdsh"):
+            return
+        if not shutil.which("ssh"):
             raise deepspeed_flags.LaunchError(
                 "neither pdsh nor ssh is installed here: zerodp run reaches the other hosts "
                 "with one of them"
             )
+        hosts.refuse_launcher_args_over_ssh()
         return
     command = hosts.srun_command() if launcher == "slurm" else hosts.mpirun_command()
     if shutil.which(command[0]) is None:
