@@ -184,7 +184,7 @@ def test_misuse_is_refused(pools, stage: int) -> None:
     assert [len(w) for w in warned] == [1, 1]
     empty, short = pools(2).run(data_too_small, stage, timeout_s=60)[0]
     assert "0 samples" in empty
-    assert "5 samples" in short and "4 x world size 2 = 8" in short
+    assert "5 samples" in short and "4 x 2 data ranks = 8" in short
 
 
 def non_finite(stage: int, dtype: str, policy: str, directory: str) -> dict:
