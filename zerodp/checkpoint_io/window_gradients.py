@@ -137,13 +137,15 @@ def plan_load(
         return plan
     _check_info(info, subject.accumulation_steps)
     saved_dims = _saved_dims(info)
-    same_dims = saved_dims.same_layout(subject.dims)
+    cuts = {} if relayout is None else relayout.cuts
+    # As saved only with every cut as saved: under another tensor_parallel plan at the same
+    # dims, a weight cut otherwise is combined (averaged), so every weight of its group must be.
+    same_dims = saved_dims.same_layout(subject.dims) and not cuts
     same_layout = same_dims and subject.local_accumulation
     # A weight left whole has the same sums on every tensor rank: under another T, rank 0's.
     same_t = saved_dims.tensor_size == subject.dims.tensor_size
     sources = saved_dims.window_sum_sources(subject.dims.tensor_rank if same_t else 0)
     saved_replicas = saved_dims.num_replicas
-    cuts = {} if relayout is None else relayout.cuts
     saved_experts = _saved_experts(shared)
     fresh: dict[GroupState, torch.Tensor] = {}
     for entry in param_entries(subject):
