@@ -59,6 +59,7 @@ class Case:
     retained: bool = False  # each micro-batch's backward runs twice on a retained graph
     # Keys naming the experts modules in the config instead of the model's own plan.
     experts_named: tuple[tuple[str, Any], ...] = ()
+    shard: int | None = None  # mics_shard_size: shard groups that replicate each other (E = 1)
 
     def config(self) -> dict[str, Any]:
         optimizer = {
@@ -78,6 +79,7 @@ class Case:
                 "stage": self.stage,
                 "reduce_bucket_size": 2000,
                 "stage3_param_persistence_threshold": 50,
+                **({} if self.shard is None else {"mics_shard_size": self.shard}),
             },
             "expert_parallel": {
                 "enabled": self.expert > 1,

@@ -22,10 +22,11 @@ at stages that keep local sums (0, 1: each rank's sums of its slice, combined at
 load as the saved dims say) and at stages that keep averages (2, 3), and loaded at other
 stages; one load reads one parameter per round (the bounded-memory path, with ranks that
 hold nothing of a parameter in a round), and windows of slices load at the same T too.
-World 4: T=2 x D=2 -> T=1 x D=4, boundary and window, SGD and AdamW. A changed split
-dimension (another tensor-parallel plan) is refused naming both layouts, and the engine
-is left as it was. `ZERODP_LAYOUT_SWEEP=1` runs every stage pair of every direction
-(minutes on two cores).
+World 4: T=2 x D=2 -> T=1 x D=4, boundary and window, SGD and AdamW; a window at stage 1
+loaded at the same dims under another tensor-parallel plan (a weight sliced <-> whole),
+against the run never interrupted. A changed split dimension (another tensor-parallel plan)
+is refused naming both layouts, and the engine is left as it was. `ZERODP_LAYOUT_SWEEP=1`
+runs every stage pair of every direction (minutes on two cores).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 import zerodp
 from tests.layout_setup import Load, layout, sweep
-from tests.tp_reference import USER_PLAN, block_net, tp_config
+from tests.tp_reference import USER_PLAN, block_batch, block_loss, block_net, tp_config
 from zerodp.errors import CheckpointError
 
 pytest.importorskip("transformers")
@@ -152,6 +153,53 @@ def test_a_changed_split_dimension_is_refused_naming_both_layouts(
         assert "splits 'blocks.0.fc2.weight' along dim 1, this engine along dim 0" in message
         assert "zerodp consolidate" in message, message
         assert result["unchanged"]
+
+
+WHOLE_FC2 = {"blocks.*.fc1": "colwise_gather_output"}  # USER_PLAN's fc1 cut, fc2 left whole
+
+
+def _micro_step(engine: Any, index: int) -> None:
+    """Micro-batch `index` of the run (two a step): its backward and `step()`."""
+    engine.backward(block_loss(engine, block_batch(index, engine.data_parallel_rank)))
+    engine.step()
+
+
+def window_under_another_plan(workdir: str, saved_plan: Any, plan: Any) -> float:
+    """T=2 x D=2, stage 1 (each rank's local sums kept), SGD: one step and the next window's
+    first micro-batch under `saved_plan`, saved inside the window; loaded under `plan` (the
+    same dims, fc2 cut otherwise), the window's second micro-batch and the step. Returns the
+    largest difference from the run under `plan` never interrupted."""
+
+    def engine_with(cut: Any) -> Any:
+        config = tp_config(1, gas=2, optimizer="SGD", plan=cut)
+        return zerodp.initialize(model=block_net(), config=config)[0]
+
+    engine = engine_with(plan)
+    for index in range(4):
+        _micro_step(engine, index)
+    straight = {k: v.detach().clone() for k, v in engine.state_dict().items()}
+    engine.destroy()
+    engine = engine_with(saved_plan)
+    for index in range(3):
+        _micro_step(engine, index)
+    engine.save_checkpoint(workdir, tag="window")
+    engine.destroy()
+    engine = engine_with(plan)
+    engine.load_checkpoint(workdir, tag="window")
+    _micro_step(engine, 3)
+    resumed = engine.state_dict()
+    engine.destroy()
+    return max((resumed[k].float() - straight[k].float()).abs().max().item() for k in straight)
+
+
+def test_a_window_loads_under_another_plan_at_the_same_dims(pools: Any, tmp_path: Path) -> None:
+    """fc2 saved as slices and loaded whole, and the reverse, beside weights cut as saved in
+    the same groups: every group's window gradient is combined alike (the cut one must not
+    leave its group's local sums marked averaged, or them unreduced)."""
+    for index, (saved_plan, plan) in enumerate(((USER_PLAN, WHOLE_FC2), (WHOLE_FC2, USER_PLAN))):
+        workdir = str(tmp_path / f"plan{index}")
+        worst = pools(4).run(window_under_another_plan, workdir, saved_plan, plan, timeout_s=300)
+        assert max(worst) <= BOUND, (saved_plan, plan, worst)
 
 
 def every_pair() -> tuple[list[tuple[str, Any]], list[Load]]:

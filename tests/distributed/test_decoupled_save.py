@@ -10,6 +10,8 @@
   rank, for its data file or its JSON file) is one CheckpointError on every rank, naming
   the rank and the file, raised at `wait_for_checkpoint`, at the next save or at
   `destroy`; `latest` still names the checkpoint before it, which loads.
+- A rank that waits for the last save beside one that saves is `UnevenInputsError` on every
+  rank, at once (`wait_for_checkpoint` is an activity of its own).
 - A process killed while it writes (fresh ranks, SIGKILL from the writer's own thread at
   its last steps: rank 1 after its report, rank 0 with every report in, just before the
   commit) leaves the previous `latest`, which loads the uninterrupted run's state.
@@ -25,6 +27,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +38,7 @@ import torch.distributed as dist
 import zerodp
 from tests import decoupled_setup as run
 from zerodp.checkpoint_io import background_save, checksums, json_state
+from zerodp.comm.agreement import agreement
 from zerodp.testing.ranks import run_ranks
 
 SCRIPT = Path(__file__).with_name("decoupled_save_script.py")
@@ -178,6 +182,37 @@ def test_background_failures_surface_on_every_rank(pools, tmp_path: Path) -> Non
         assert f"the decoupled save of checkpoint '{tag}'" in message, (key, message)
         assert f"(rank {rank}, writing" in message and file in message, (key, message)
         assert "No space left on device" in message and "'latest' are intact" in message
+
+
+def save_beside_wait(directory: str) -> dict[str, object]:
+    """Rank 0 saves while rank 1 waits for the last save (committed): both start with the same
+    agreement on the last save's verdict, and only the save goes on to its collectives."""
+    _, engine, loader = run.build(1)
+    run.micro_steps(engine, loader, 2)
+    engine.save_checkpoint(directory, "a")
+    engine.wait_for_checkpoint()
+    start = time.monotonic()
+    error = ""
+    try:
+        if dist.get_rank() == 0:
+            engine.save_checkpoint(directory, "b")
+        else:
+            engine.wait_for_checkpoint()
+    except zerodp.UnevenInputsError as caught:
+        error = str(caught)
+    seconds = time.monotonic() - start
+    agreement().reset()  # nothing is left running: the ranks may go on together
+    engine.destroy()
+    return {"error": error, "seconds": seconds}
+
+
+def test_a_wait_beside_a_save_is_uneven_inputs_on_every_rank(pools, tmp_path: Path) -> None:
+    """Not a save on one rank hanging in its collectives until the timeout."""
+    for result in pools(2).run(save_beside_wait, str(tmp_path / "ckpt"), timeout_s=120):
+        message = str(result["error"])
+        assert "rank 0 is saving a checkpoint after 1 optimizer steps" in message, result
+        assert "rank 1 is waiting for a checkpoint save after 1 optimizer steps" in message
+        assert float(str(result["seconds"])) < 10, result
 
 
 def load_latest(directory: str) -> dict[str, object]:

@@ -11,7 +11,8 @@ process: a bf16 model, fp32 master weights), with activation checkpointing (the 
 runs again in backward), and with each micro-batch's backward run twice on a retained graph
 (both all-to-alls' backwards run twice); world 4 at E=2 x D=2, E=4, and E=2 x S=2
 (the same ranks split the sequences and hold the experts). Checkpoints saved at E=2 resume
-without expert parallelism and at another number of data ranks.
+without expert parallelism and at another number of data ranks; windows resume at another
+E, one saved by shard groups included.
 """
 
 from __future__ import annotations
@@ -178,14 +179,16 @@ def test_a_window_and_a_boundary_resume_at_another_e(pools: Any, tmp_path: Path)
     """Inside an accumulation window (SGD, stages that keep each rank's local sums: a window's
     sums of each saved EP rank's experts combined as the saved dims say, then this rank's
     experts cut from the whole): E=2 -> E=1 at stage 3, E=2 -> E=2 in the same layout (the
-    sums as saved), E=1 -> E=2 at stage 2; and at a boundary E=1 -> E=2."""
-    loads = {
-        (2, 0): [Case(3, expert=1, gas=2), Case(0, gas=2)],
-        (1, 1): [Case(2, gas=2)],
-    }
-    for (expert, stage), targets in loads.items():
-        saved = Case(stage, expert=expert, gas=2)
-        directory = str(tmp_path / f"window{expert}")
+    sums as saved), E=1 -> E=2 at stage 2; shard groups' averages of whole tensors
+    (`mics_shard_size` 1 on 2 ranks: two replicas, E=1) averaged, then cut, at E=2; and at a
+    boundary E=1 -> E=2."""
+    loads = [
+        (Case(0, expert=2, gas=2), [Case(3, expert=1, gas=2), Case(0, gas=2)]),
+        (Case(1, expert=1, gas=2), [Case(2, gas=2)]),
+        (Case(2, expert=1, gas=2, shard=1), [Case(2, gas=2), Case(1, gas=2)]),
+    ]
+    for index, (saved, targets) in enumerate(loads):
+        directory = str(tmp_path / f"window{index}")
         pools(2).run(save_inside_window, saved, 1, directory)
         for case in targets:
             for result in pools(2).run(resume_inside_window, saved, 2, 1, case, directory):

@@ -3,10 +3,11 @@
 Every rank writes its data file from its host copy (`host_staging`), its JSON
 files, fsyncs them and checksums them, then posts its report to the store
 (`write_reports`). Rank 0 then collects every report and, if none failed,
-writes DCP's `.metadata`, the checksum list and commits (`paths.commit`: the
-directory renamed, `latest` replaced last), and posts the verdict; the other
-ranks wait for it. So every rank's save ends with the same verdict, and the
-thread touches no tensor of the engine and calls no collective.
+claims the commit, writes DCP's `.metadata`, the checksum list and commits
+(`paths.commit`: the directory renamed, `latest` replaced last), and posts the
+verdict; the other ranks wait for it. So every rank's save ends with the same
+verdict ([Note: one verdict per save]), and the thread touches no tensor of the
+engine and calls no collective.
 
 `on_write_step` is called at each step of this protocol (`WRITE_STEPS`); tests
 replace it to stall the writer or to kill the process at one of them.
@@ -112,7 +113,8 @@ class BackgroundSave:
                 verdict = self._commit_or_not()
             except CHECKPOINT_FAILURES as caught:
                 verdict = Verdict(as_checkpoint_error(caught, self._where("collecting reports")))
-            self._board.post_verdict(verdict)  # whatever it is: the others wait for it
+            # Whatever it is, the others wait for it; a rank that gave up first decided it.
+            verdict = self._board.post_verdict(verdict)
         on_write_step("verdict")
         return verdict
 
@@ -157,6 +159,9 @@ class BackgroundSave:
             return Verdict(failed[0].error)
         if self._metadata is None:
             raise RuntimeError("internal error: rank 0 has no plan metadata to commit")
+        gave_up = self._board.claim_commit()  # [Note: one verdict per save]
+        if gave_up is not None:
+            return gave_up  # a rank stopped waiting before the commit began: nothing renamed
         request = self.request
         try:
             self._storage.finish(self._metadata, [r.results for r in reports])

@@ -18,7 +18,9 @@ gradient's `GradSync`:
   stages 2 and 3 with shard groups that replicate each other, inside the
   window) is replica r's own, written by shard group r. It loads back as it is
   into the same layout (bitwise); elsewhere every rank reads all of them and
-  takes their average, as the boundary's all-reduce across replicas would.
+  takes their average, as the boundary's all-reduce across replicas would (an
+  expert tensor, saved whole at E = 1, then loaded at E > 1: the experts this
+  rank holds, cut from that average).
 
 Under another tensor-parallel degree the saved parts are slices of another cut: the
 local sums and the replicas' averages of each saved slice are read across the cuts
@@ -137,13 +139,15 @@ def plan_load(
         return plan
     _check_info(info, subject.accumulation_steps)
     saved_dims = _saved_dims(info)
-    same_dims = saved_dims.same_layout(subject.dims)
+    cuts = {} if relayout is None else relayout.cuts
+    # As saved only with every cut as saved: under another tensor_parallel plan at the same
+    # dims, a weight cut otherwise is combined (averaged), so every weight of its group must be.
+    same_dims = saved_dims.same_layout(subject.dims) and not cuts
     same_layout = same_dims and subject.local_accumulation
     # A weight left whole has the same sums on every tensor rank: under another T, rank 0's.
     same_t = saved_dims.tensor_size == subject.dims.tensor_size
     sources = saved_dims.window_sum_sources(subject.dims.tensor_rank if same_t else 0)
     saved_replicas = saved_dims.num_replicas
-    cuts = {} if relayout is None else relayout.cuts
     saved_experts = _saved_experts(shared)
     fresh: dict[GroupState, torch.Tensor] = {}
     for entry in param_entries(subject):
@@ -215,28 +219,24 @@ def _plan_experts(
     saved_as_slices: bool,
     saved: dict[str, Any],
 ) -> bool:
-    """A window's local sums of an expert tensor saved or loaded as EP ranks' slices (another
-    E, or another layout): each saved slice e summed over the saved ranks holding experts e
-    and divided as the saved dims say, the slices put together along the experts, and this
-    rank's experts cut from that whole. False: not local sums (the averaged form loads at any
-    E by itself, as the model's values do)."""
+    """A window's sums of an expert tensor saved or loaded as EP ranks' slices (another E, or
+    another layout): each saved slice e's local sums summed over the saved ranks holding
+    experts e and divided as the saved dims say (or, for a tensor saved whole by shard groups,
+    the replicas' averages averaged), the slices put together along the experts, and this
+    rank's experts cut from that whole (E equal consecutive ranges, EP rank k holding range
+    k). False: neither (the averaged form loads at any E by itself, as the model's values
+    do)."""
     name, state = entry.name, entry.state
     if state is None:  # pragma: no cover - planned for trainable groups only
         raise RuntimeError("internal error: no group")
     whole_shape = subject.recorded_shapes()[name]
     slices = saved_dims.expert_size if saved_as_slices else 1
-    parts = [
-        saved_dims.window_sum_sources(0, e if saved_as_slices else None) for e in range(slices)
-    ]
-    keys = [[f"{LOCAL}{r}.{name}" for r in part.ranks] for part in parts]
-    found = [key in saved for part in keys for key in part]
-    if not any(found):
+    parts = _expert_parts(saved_dims, name, saved_as_slices, saved)
+    if parts is None:
         return False
-    if not all(found):
-        raise _incomplete(name)
     numel = math.prod(whole_shape)
-    sums = [[torch.zeros(numel // slices, dtype=torch.float32) for _ in part] for part in keys]
-    for part_keys, part_sums in zip(keys, sums, strict=True):
+    sums = [[torch.zeros(numel // slices, dtype=torch.float32) for _ in part] for part, _ in parts]
+    for (part_keys, _), part_sums in zip(parts, sums, strict=True):
         plan.destinations.update(zip(part_keys, part_sums, strict=True))
     row = numel // whole_shape[0]  # one expert's elements
     held = state.flat.layout.slots[entry.position].numel
@@ -246,7 +246,7 @@ def _plan_experts(
 
     def combined() -> torch.Tensor:
         whole = torch.cat(
-            [torch.stack(s).sum(0).div_(p.divisor) for s, p in zip(sums, parts, strict=True)]
+            [torch.stack(s).sum(0).div_(d) for s, (_, d) in zip(sums, parts, strict=True)]
         )
         if held % row:  # pragma: no cover - an expert slice holds whole experts
             raise RuntimeError("internal error: a slice of part of an expert")
@@ -254,6 +254,30 @@ def _plan_experts(
 
     plan.steps.append(_put_combined_sums(state, entry.position, [], 1, combined))
     return True
+
+
+def _expert_parts(
+    saved_dims: ParallelDims, name: str, saved_as_slices: bool, saved: dict[str, Any]
+) -> list[tuple[list[str], int]] | None:
+    """For each saved slice of an expert tensor (one: saved whole), the keys whose sum makes
+    it up and what that sum is divided by: the local sums of the saved ranks holding those
+    experts; else, saved whole by shard groups (`mics_shard_size`, E = 1), the replicas'
+    averages. None: neither is saved."""
+    slices = saved_dims.expert_size if saved_as_slices else 1
+    sources = [
+        saved_dims.window_sum_sources(0, e if saved_as_slices else None) for e in range(slices)
+    ]
+    local = [([f"{LOCAL}{r}.{name}" for r in part.ranks], part.divisor) for part in sources]
+    replicas = [f"{PARTIAL}{r}.{name}" for r in range(saved_dims.num_replicas)]
+    for parts in (local, [(replicas, saved_dims.gradient_divisor(REPLICA))]):
+        found = [key in saved for keys, _ in parts for key in keys]
+        if all(found):
+            return parts
+        if any(found):
+            raise _incomplete(name)
+        if saved_as_slices:
+            return None  # shard groups never hold EP ranks' slices
+    return None
 
 
 def _check_info(info: Any, accumulation_steps: int) -> None:

@@ -24,7 +24,8 @@ memory; the files are written by a thread while training goes on, and
   the checksum list, commits ([Note: atomic commit]: `latest` replaced last)
   and posts the verdict, which every other rank waits for. The store is not a
   process group: no collective runs off the main thread, and every rank's
-  save ends with the same verdict, the error included.
+  save ends with the same verdict, the error included, whatever the timing
+  ([Note: one verdict per save] in `write_reports`).
 - A second save, `wait_for_checkpoint()`, a load and `destroy()` wait for the
   verdict first; the first three agree on it (a collective, as they already
   are), so a failure is one `CheckpointError` with the same message on every

@@ -107,7 +107,9 @@ class CheckpointMethods:
         checkpoint before it. With the synchronous writer there is never anything to
         wait for.
         """
-        with agreement().doing(Activity.SAVING):  # [Note: agreeing before a collective]
+        # Its own activity: a save begins with the same wait, and must not pass for it
+        # ([Note: agreeing before a collective]).
+        with agreement().doing(Activity.WAITING_FOR_SAVE):
             path = self.checkpoint_writer.wait(self.comm)
         return None if path is None else str(path)
 

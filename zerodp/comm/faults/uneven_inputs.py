@@ -11,14 +11,14 @@ collective, and nothing says "uneven inputs".
 So a rank whose wait lasts (`Comm.on_stall`, each `STALL_POLL_S` seconds, gloo
 only: an NCCL wait returns at once and the GPU waits) posts where it is in the
 process group's store: what it is doing (a forward, a backward, an optimizer
-step, saving or loading a checkpoint: `Activity`) and its step counts; a rank
-whose script ends posts that too. It
-then reads the other ranks' posts. Two ranks stuck at different places (a save
-against a step, step 4 against step 3, a step against the end of a script)
-cannot both go on: every rank that sees that raises the same
-`UnevenInputsError`, naming each rank's place, and aborts the process group so
-that a peer blocked elsewhere fails at once. A post is removed when its wait
-completes, so a rank that was merely slow leaves nothing behind.
+step, saving or loading a checkpoint, waiting for a save: `Activity`) and its
+step counts; a rank whose script ends posts that too. It then reads the other
+ranks' posts. Two ranks stuck at different places (a save against a step, step
+4 against step 3, a step against the end of a script) cannot both go on: every
+rank that sees that raises the same `UnevenInputsError`, naming each rank's
+place, and aborts the process group so that a peer blocked elsewhere fails at
+once. A post is removed when its wait completes, so a rank that was merely slow
+leaves nothing behind.
 
 The cost is nothing while collectives complete: the activity is a field set
 when each activity begins, the step counts are read only once a wait has lasted
@@ -58,6 +58,9 @@ class Activity(enum.Enum):
     TRAINING = "training"
     SAVING = "saving a checkpoint"
     LOADING = "loading a checkpoint"
+    # wait_for_checkpoint: its own, so that a rank waiting beside one saving disagrees (both
+    # start with the same agreement on the previous save's verdict; only the save goes on).
+    WAITING_FOR_SAVE = "waiting for a checkpoint save"
     FINISHED = "ended its script"
     FORWARD = "in a forward pass"
     BACKWARD = "in a backward pass"
