@@ -33,6 +33,7 @@ import torch.distributed as dist
 import zerodp
 from tests.hf_moe_models import NUM_EXPERTS, build, experts_of, route_only_to, token_batch
 from zerodp import utils
+from zerodp.partition.slicing import Slicing
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 # bf16: the reference is the same recipe in one process (a bf16 model, fp32 master weights,
@@ -235,6 +236,7 @@ def run_case(case: Case) -> dict[str, Any]:
     reference = Reference(case, plain)
     engine, _, _, _ = zerodp.initialize(model=model, config=case.config())
     counts = ExpertCounts(model)
+    experts = [s for s in engine.groups if s.flat.slicing is Slicing.EXPERT]
     try:
         worst = train_and_compare(case, engine, model, reference, range(case.steps))
     finally:
@@ -244,6 +246,9 @@ def run_case(case: Case) -> dict[str, Any]:
         "rank": dist.get_rank(),
         "experts_held": sorted(counts.seen),
         "expected_held": NUM_EXPERTS // case.expert,
+        # Stage 3 gathers experts only where an expert-data group has more than one rank.
+        "expert_groups_gathered": sorted({s.gather is not None for s in experts}),
+        "expert_data_size": engine.comms.dims.expert_data_size,
         "data_parallel_size": engine.data_parallel_size,
         **worst,
     }

@@ -79,6 +79,10 @@ def check(cases: list[Case], results: list[list[dict[str, Any]]]) -> None:
         for case, result in zip(cases, rank_results, strict=True):
             assert result["experts_held"] == [result["expected_held"]], (case, result)
             assert result["data_parallel_size"] == world // case.sequence, (case, result)
+            # A rank alone in its expert-data group keeps its experts whole: no full buffer
+            # filled from the shard before each use (held twice while in use).
+            gathered = case.stage == 3 and result["expert_data_size"] > 1
+            assert result["expert_groups_gathered"] == [gathered], (case, result)
     print("\n".join(f"{c}: {r}" for c, r in zip(cases, results[0], strict=True)))
 
 

@@ -186,6 +186,10 @@ def build_layout(
                 if expert_places is None:  # pragma: no cover - the engine passes them
                     raise RuntimeError("internal error: expert slices without expert places")
                 places = expert_places
+                # Alone in its expert-data group (E = Z x S), a rank's shard of its experts
+                # is all of them: kept whole, with the shard a view of it, rather than copied
+                # into a full buffer before each use and held twice while in use.
+                persistent = persistent or places[0] == 1
             flat = FlatGroup(
                 params=[params[i] for i in plan.members],
                 names=names,
