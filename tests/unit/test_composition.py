@@ -142,7 +142,7 @@ def test_router_logits_are_refused_at_the_forward_where_the_table_refuses_them(
     sizes = {key.get(dimension, "expert_size"): 2}
     dims = ParallelDims.build(4, 0, **sizes)
     model = MoELike()
-    refuse_router_aux_loss_where_refused(model, SimpleNamespace(dims=dims))  # type: ignore[arg-type]
+    handle = refuse_router_aux_loss_where_refused(model, SimpleNamespace(dims=dims))  # type: ignore[arg-type]
     x = torch.ones(1, 2)
     model(x)
     model(x, output_router_logits=False)
@@ -155,3 +155,6 @@ def test_router_logits_are_refused_at_the_forward_where_the_table_refuses_them(
     with pytest.raises(UsageError, match="output_router_logits"):
         model(x)
     model(x, output_router_logits=False)  # the argument decides over the config
+    assert handle is not None
+    handle.remove()  # engine.destroy(): the model is the user's again
+    model(x, output_router_logits=True)

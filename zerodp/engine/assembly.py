@@ -155,6 +155,8 @@ def assemble(
     # destroy() removes the hooks, unfreezes what an inference engine froze, reloads states.
     handles: list[Removable] = [*backward.handles, *core.frozen, posttrain.offload]
     handles += [part for part in (tensor, sequence, tiling) if part is not None]
+    router_check = refuse_router_aux_loss_where_refused(module, comms)
+    handles += [router_check] if router_check is not None else []
     return EngineParts(
         comm=comm,
         comms=comms,
@@ -327,7 +329,6 @@ def _groups_and_splits(
         timeout=timeout,
     )
     check_model_composes(module, comms)
-    refuse_router_aux_loss_where_refused(module, comms)
     if comms.dims.splits_tensors or comms.dims.splits_experts:
         take_whole_model_from_first_rank(module, comms.world, device)
     split = split_model(module, config, comms, device)

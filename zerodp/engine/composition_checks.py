@@ -59,4 +59,6 @@ def refuse_router_aux_loss_where_refused(
         if asked:
             raise UsageError(message)
 
-    return module.register_forward_pre_hook(refuse, with_kwargs=True)
+    # First of the forward's hooks, so that nothing of the forward (a gather, an agreement)
+    # has begun when it refuses.
+    return module.register_forward_pre_hook(refuse, with_kwargs=True, prepend=True)
