@@ -151,6 +151,8 @@ def test_router_logits_are_refused_at_the_forward_where_the_table_refuses_them(
         return
     with pytest.raises(UsageError, match="output_router_logits"):
         model(x, output_router_logits=True)
+    with pytest.raises(UsageError, match="output_router_logits"):
+        model(x, True)  # by position
     model.config.output_router_logits = True
     with pytest.raises(UsageError, match="output_router_logits"):
         model(x)

@@ -406,3 +406,12 @@ def test_inside_join_the_gradient_is_the_mean_over_the_ranks_still_training() ->
     assert dims.joined_gradient_scale(4) == 1.0
     with pytest.raises(ValueError):
         dims.joined_gradient_scale(0)
+
+
+def test_a_checkpoint_from_before_recorded_dims_is_read_as_replicas_of_data_ranks() -> None:
+    dims = ParallelDims.from_replicas(8, 2)
+    assert (dims.num_replicas, dims.shard_group_size, dims.data_size) == (2, 4, 8)
+    assert dims.same_layout(ParallelDims.build(8, 3, shard_group_size=4))
+    for world, replicas in ((8, 3), (8, 0), (4, 8), (8, "2")):
+        with pytest.raises(ValueError):
+            ParallelDims.from_replicas(world, replicas)

@@ -369,17 +369,10 @@ def _saved_dims(info: dict[str, Any]) -> ParallelDims:
     whose window loads were right then): its world ranks are its data ranks."""
     record = info.get("dims")
     if record is None:
-        world = info["world_size"]
-        replicas = info.get("num_replicas", 1)
-        if not isinstance(replicas, int) or replicas < 1 or world % replicas:
-            raise CheckpointError("checkpoint state: 'gradients' is damaged (replicas)")
-        record = {
-            "world_size": world,
-            "shard_group_size": world // replicas,
-            "secondary_size": 1,
-            "sequence_size": 1,
-            "tensor_size": 1,
-        }
+        try:
+            return ParallelDims.from_replicas(info["world_size"], info.get("num_replicas", 1))
+        except ValueError:
+            raise CheckpointError("checkpoint state: 'gradients' is damaged (replicas)") from None
     try:
         return ParallelDims.from_record(record)
     except ValueError as caught:

@@ -49,18 +49,15 @@ def int_check(lo: int | None = None, choices: tuple[int, ...] | None = None) -> 
 
 def parallel_size(value: object, key: str) -> int:
     """A parallel dimension's size read from a raw config dict before the config is parsed
-    (an integration sizes its loaders first): 1 when absent, else a positive integer, or a
-    `ConfigError` naming the key, never a size quietly taken as 1."""
+    (an integration sizes its loaders first): 1 when absent, else `PosInt`'s check, its
+    rejection a `ConfigError` naming the key, never a size quietly taken as 1."""
     if value is None:
         return 1
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or (isinstance(value, float) and not value.is_integer())
-        or value < 1
-    ):
-        raise ConfigError(f"config key '{key}': got {value!r}; allowed: an integer >= 1")
-    return int(value)
+    try:
+        number: int = _POSITIVE.func(value)  # type: ignore[call-arg]
+    except PydanticCustomError as caught:
+        raise ConfigError(f"config key '{key}': got {value!r}; {caught}") from None
+    return number
 
 
 def float_check(
@@ -121,7 +118,8 @@ def choice(options: Sequence[str]) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-PosInt = Annotated[int, int_check(lo=1)]
+_POSITIVE = int_check(lo=1)
+PosInt = Annotated[int, _POSITIVE]
 NonNegInt = Annotated[int, int_check(lo=0)]
 PosFloat = Annotated[float, float_check(gt=0.0)]
 Fraction = Annotated[float, float_check(ge=0.0, le=1.0)]

@@ -11,6 +11,7 @@ group passes alike).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -53,12 +54,26 @@ def refuse_router_aux_loss_where_refused(
         return None
 
     def refuse(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        asked = kwargs.get("output_router_logits")
-        if asked is None:
-            asked = getattr(getattr(module, "config", None), "output_router_logits", False)
-        if asked:
+        if _asks_for_router_logits(module, args, kwargs):
             raise UsageError(message)
 
     # First of the forward's hooks, so that nothing of the forward (a gather, an agreement)
     # has begun when it refuses.
     return module.register_forward_pre_hook(refuse, with_kwargs=True, prepend=True)
+
+
+def _asks_for_router_logits(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """`output_router_logits` as the forward gets it (by name or position), else the model
+    config's."""
+    asked = kwargs.get("output_router_logits")
+    if asked is None and args:
+        try:
+            bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        except TypeError:  # the forward itself will say what is wrong with its arguments
+            bound = None
+        asked = None if bound is None else bound.arguments.get("output_router_logits")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_router_logits", False)
+    return bool(asked)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zerodp.comm import Comm
+from zerodp.parallel.expert_slices import held_experts
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def exchange_counts(per_expert: torch.Tensor, comm: Comm) -> torch.Tensor:
     [r * n, (r + 1) * n)), every rank's count for this rank's n experts: [E, n], by
     source rank (an all-to-all outside autograd)."""
     size = comm.world_size
-    local = per_expert.numel() // size
+    local = len(held_experts(per_expert.numel(), size, comm.rank))
     send = per_expert.detach().to(torch.int64).contiguous()
     received = torch.empty_like(send)
     comm.all_to_all(received, send, [local] * size, [local] * size)

@@ -112,6 +112,22 @@ class SavedLayoutRules:
         except ConfigError as caught:
             raise ValueError(f"parallel dims that do not fit: {caught}") from None
 
+    @classmethod
+    def from_replicas(cls, world_size: object, num_replicas: object) -> Any:
+        """The dims of a checkpoint saved before dims were recorded, which kept a window only
+        without sequence or tensor parallelism: `num_replicas` shard groups of data ranks;
+        `ValueError` when they do not divide the world."""
+        if not (
+            isinstance(world_size, int)
+            and isinstance(num_replicas, int)
+            and 1 <= num_replicas <= world_size
+            and world_size % num_replicas == 0
+        ):
+            raise ValueError(f"{num_replicas!r} replicas of a world of {world_size!r} ranks")
+        return cls.build(  # type: ignore[attr-defined]
+            world_size, 0, shard_group_size=world_size // num_replicas
+        )
+
     def same_layout(self, other: SavedLayoutRules) -> bool:
         """Whether `other` lays the ranks out as these dims do (ranks aside)."""
         return self.to_record() == other.to_record()

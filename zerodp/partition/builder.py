@@ -188,7 +188,9 @@ def build_layout(
                 places = expert_places
                 # Alone in its expert-data group (E = Z x S), a rank's shard of its experts
                 # is all of them: kept whole, with the shard a view of it, rather than copied
-                # into a full buffer before each use and held twice while in use.
+                # into a full buffer before each use and held twice while in use. Only here:
+                # a world of one at stage 3 keeps its groups sharded, since parameter offload
+                # moves the shards of sharded groups (expert parallelism refuses offload).
                 persistent = persistent or places[0] == 1
             flat = FlatGroup(
                 params=[params[i] for i in plan.members],

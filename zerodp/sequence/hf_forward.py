@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from zerodp.errors import UsageError
-from zerodp.parallel.composition import Dimension, Feature, refusal
 from zerodp.sequence.input_split import split_batch, wants_split
 from zerodp.sequence.loss import sum_over_sequence
 from zerodp.sequence.sequence_group import ForwardMode, FullSequence, SequenceGroup
@@ -61,7 +60,6 @@ class SequenceForwardHooks:
             _refuse_whole_with_gradients(module, group)
             group.to_whole()
             return args, kwargs
-        _refuse_router_aux_loss(module, named, group)
         split, full = split_batch(named, group)
         group.to_sharded(full)
         return (), split
@@ -107,20 +105,6 @@ def forward_keywords(
                 "(input_ids=..., labels=...)"
             )
     return named
-
-
-def _refuse_router_aux_loss(module: nn.Module, named: dict[str, Any], group: SequenceGroup) -> None:
-    """A mixture-of-experts model's auxiliary loss, computed on a slice of each sequence, is
-    not the whole sequence's ([Note: composition table]); every rank of the group sees the
-    same config and arguments, so every rank raises."""
-    asked = named.get("output_router_logits")
-    if asked is None:
-        asked = getattr(getattr(module, "config", None), "output_router_logits", False)
-    if not asked:
-        return
-    message = refusal(Feature.ROUTER_AUX_LOSS, {Dimension.SEQUENCE: group.size})
-    if message is not None:
-        raise UsageError(message)
 
 
 def _refuse_whole_with_gradients(module: nn.Module, group: SequenceGroup) -> None:
